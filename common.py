@@ -1,0 +1,388 @@
+"""What every script needs the same way: tokenizer and model loading, data and prompts,
+generation (rollout), per-token log-probs, held-out evaluation, config parsing, logging.
+
+Each algorithm itself (SFT, reward model, PPO, GRPO, MIX) lives in its own script.
+"""
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import textwrap
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import datasets  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
+transformers.utils.logging.set_verbosity_error()
+datasets.disable_progress_bars()
+
+
+def fail(message: str):
+    """Stop with one clear sentence and exit status 1 (no traceback): for bad input, not for bugs."""
+    raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: a dataclass per script, parsed from the command line
+# ---------------------------------------------------------------------------------------------
+def parse_config(config_class, args=None):
+    """Build an argparse parser from a dataclass, CleanRL style: each field's help text is the
+    string literal written under it, so `python grpo.py --help` documents every field."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body
+    docs = {
+        node.target.id: nxt.value.value
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
+    script_doc = sys.modules["__main__"].__doc__
+    parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for field in dataclasses.fields(config_class):
+        kind = {"bool": _to_bool}.get(getattr(field.type, "__name__", field.type), field.type)
+        if isinstance(kind, str):  # `from __future__ import annotations` style
+            kind = {"str": str, "int": int, "float": float, "bool": _to_bool}[kind]
+        parser.add_argument(
+            f"--{field.name}", type=kind, default=field.default, help=f"{docs.get(field.name, '')} (default: %(default)s)"
+        )
+    return config_class(**vars(parser.parse_args(args)))
+
+
+def _to_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def set_seed(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def get_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded tokenizer and tiny model (used when sft.py gets no --model)
+# ---------------------------------------------------------------------------------------------
+THINK_ANSWER_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 byte values to printable characters (so a byte-level vocab is text)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level tokenizer: token id = byte value (0..255), so any UTF-8 text encodes, plus
+    special tokens (bos, pad, eos = <|im_end|>, <|im_start|>) and the four format tags as single
+    tokens. It has a ChatML chat template (system / user / assistant) like Qwen's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|bos|>",
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+        extra_special_tokens=["<|im_start|>"],
+        padding_side="left",  # must be given here to be saved; left padding is what generation needs
+    )
+    tokenizer.add_tokens(THINK_ANSWER_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> torch.nn.Module:
+    """A Llama-style causal LM from scratch: ~1.1M parameters with the defaults.
+
+    Llama rather than Qwen2: with model_type qwen2, AutoTokenizer reloads our tokenizer as a
+    Qwen2Tokenizer, which changes the ids."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def load_model(name_or_path: str, missing_hint: str = ""):
+    """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence."""
+    is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
+    if is_local and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+        fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+    except OSError as error:  # not on disk and not reachable on the hub
+        fail(f"could not load model {name_or_path!r} ({str(error).splitlines()[0]})")
+    if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def save_checkpoint(model, tokenizer, output_dir: str):
+    """Write model + tokenizer to a temporary folder first, then move the files into place, so a
+    crash while writing never leaves a half-written checkpoint over a good one."""
+    tmp = os.path.join(output_dir, ".checkpoint_tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    getattr(model, "module", model).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: GSM8K schema (question, answer = reasoning + "#### <number>") and the chat prompt
+# ---------------------------------------------------------------------------------------------
+def load_split(dataset: str, split: str, columns=("question", "answer"), config_name: str = "main"):
+    """One split as a datasets.Dataset: `<dataset>/<split>.jsonl` if `dataset` is a local folder,
+    else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test')."""
+    if os.path.isdir(dataset):
+        path = os.path.join(dataset, f"{split}.jsonl")
+        if not os.path.isfile(path):
+            fail(f"dataset folder {dataset} has no {split}.jsonl")
+        try:
+            data = datasets.load_dataset("json", data_files=path, split="train")
+        except Exception:  # the json reader's own error does not say where: find the line
+            data = None
+            _raise_bad_jsonl_line(path)
+    else:
+        try:
+            data = datasets.load_dataset(dataset, config_name, split=split)
+        except Exception as error:
+            fail(f"could not load dataset {dataset!r} split {split!r} ({str(error).splitlines()[0]})")
+        path = dataset
+    if data is None or len(data) == 0:
+        fail(f"{path} is empty")
+    for column in columns:
+        if column not in data.column_names:
+            fail(f"{path} has no column {column!r} (it has {', '.join(data.column_names)})")
+    return data
+
+
+def _raise_bad_jsonl_line(path: str):
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError:
+                    fail(f"{path} line {number} is not valid JSON")
+    fail(f"{path} could not be read as JSON lines")
+
+
+def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
+    """The chat-formatted prompt, ending where the assistant's answer starts."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def split_gsm8k_answer(answer: str) -> tuple[str, str]:
+    """'reasoning\\n#### 42' -> ('reasoning', '42'); GSM8K's <<48/2=24>> calculator notes are dropped."""
+    reasoning, _, final = answer.rpartition("####")
+    return re.sub(r"<<.*?>>", "", reasoning).strip(), final.strip()
+
+
+def format_completion(reasoning: str, final: str) -> str:
+    """The answer format of note 002: <think>reasoning</think><answer>number</answer>."""
+    return f"<think>{reasoning}</think><answer>{final}</answer>"
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text inside the first <answer>...</answer>, or None if there is none."""
+    match = re.search(r"<answer>(.*?)</answer>", completion, re.DOTALL)
+    return match.group(1).strip() if match else None
+
+
+def same_number(predicted: str | None, gold: str) -> bool:
+    """Numeric equality, ignoring commas, '$' and a trailing '.' ('1,000' == '1000.0')."""
+    if predicted is None:
+        return False
+    clean = lambda s: s.replace(",", "").replace("$", "").strip().rstrip(".")  # noqa: E731
+    try:
+        return float(clean(predicted)) == float(clean(gold))
+    except ValueError:
+        return clean(predicted) == clean(gold)
+
+
+def is_correct(completion: str, answer: str) -> bool:
+    """Rule-based check of a completion against a GSM8K answer column."""
+    return same_number(extract_answer(completion), split_gsm8k_answer(answer)[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout and log-probs
+# ---------------------------------------------------------------------------------------------
+def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists -> (ids [B, P], mask [B, P]); prompts are left padded so that every
+    row's completion starts at the same column P."""
+    ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id, padding_side="left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True, padding_side="left")
+    return ids, mask
+
+
+def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists -> (ids [B, T], mask [B, T]); completions are right padded."""
+    ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id)
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True)
+    return ids, mask
+
+
+@torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
+    """Rollout: the policy decodes a completion for each prompt (HF generate, KV cache).
+
+    Prompts are left padded, so all completions start at the same column P. A row that emits EOS
+    early is padded after it; its mask keeps the first EOS (the model chose to stop: that is an
+    action too) and drops everything after it.
+
+    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # sample the raw policy
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **(dict(do_sample=False) if greedy else sampling),
+    )
+    sequences = getattr(model, "module", model).generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+    )
+    completion_ids = sequences[:, prompt_ids.shape[1] :]  # [B, T]
+    return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
+
+
+def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """1 up to and including each row's first EOS, 0 after it: [B, T] -> [B, T].
+
+    e.g. tokens [a, b, EOS, pad, pad] -> [1, 1, 1, 0, 0]; a row with no EOS is all ones."""
+    is_eos = (completion_ids == eos_token_id).long()  # [B, T]
+    eos_before = is_eos.cumsum(dim=1) - is_eos  # number of EOS strictly before each position
+    return (eos_before == 0).long()
+
+
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per position: logits [B, T, V], labels [B, T] -> [B, T].
+
+    Written as logit[label] - logsumexp(logits) so no [B, T, V] log-softmax is kept."""
+    logits = logits.float()
+    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0):
+    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
+
+    The logit at position t predicts token t+1, so the T completion tokens are predicted by the
+    positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
+    drop the final one. Logits are divided by the sampling temperature, so these are the
+    log-probs of the distribution the completions were sampled from.
+    """
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=num_completion_tokens + 1,
+    ).logits[:, :-1]  # [B, T, V]
+    return gather_logprobs(logits / temperature, input_ids[:, -num_completion_tokens:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out evaluation: exact-match accuracy, greedy and sampled
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", batch_size=256, temperature=1.0):
+    """Held-out exact-match accuracy of greedy decoding and of one sample (temperature 1) per problem.
+
+    Greedy is the model's best guess; sampled accuracy is what RL sees and improves."""
+    model.eval()
+    correct = {"greedy": 0, "sampled": 0}
+    for start in range(0, len(dataset), batch_size):
+        rows = dataset[start : start + batch_size]
+        prompts = [make_prompt(tokenizer, q, system_prompt) for q in rows["question"]]
+        for mode in correct:
+            *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, temperature, mode == "greedy")
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            correct[mode] += sum(is_correct(text, answer) for text, answer in zip(texts, rows["answer"]))
+    model.train()
+    n = len(dataset)
+    return {"accuracy_greedy": correct["greedy"] / n, "accuracy_sampled": correct["sampled"] / n, "n": n}
+
+
+# ---------------------------------------------------------------------------------------------
+# Logging: metrics.jsonl (one JSON object per logged step), eval.json, a PNG of the curves
+# ---------------------------------------------------------------------------------------------
+def log_metrics(output_dir: str, metrics: dict):
+    """Append one JSON object to <output_dir>/metrics.jsonl."""
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+
+
+def write_json(path: str, obj: dict):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
+    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<name>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (panel, keys) in zip(axes[0], panels.items()):
+        for key in keys:
+            points = [(row["step"], row[key]) for row in rows if key in row]
+            if points:
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = os.path.join(output_dir, f"{os.path.basename(os.path.normpath(output_dir))}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,295 @@
+"""GRPO: Group Relative Policy Optimization (DeepSeekMath; TRL's GRPOTrainer), notes 002 and 004.
+
+PPO without a critic. For each prompt, sample a group of G completions, score each with
+rule-based reward functions, and use its reward relative to the group as the advantage of
+every one of its tokens. Update with PPO's clipped ratio plus a k3 KL penalty to a frozen
+reference policy.
+
+    python sft.py && python grpo.py                      # tiny model from out/sft -> out/grpo
+    python grpo.py --beta 0 --loss_type dapo             # no reference model, token-mean loss
+    python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
+        --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
+
+One training step:
+  1. rollout: B prompts x G samples each          completion_ids, completion_mask  [B*G, T]
+  2. rewards: sum of the reward functions         rewards      [B*G]
+  3. advantages: (r - group mean) / (group std)   advantages   [B*G]
+  4. inference: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
+  5. num_iterations gradient steps on the clipped objective with the KL penalty
+"""
+import copy
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+import common
+
+
+@dataclass
+class Config:
+    model: str = "out/sft"
+    """policy to start from: a folder written by sft.py, or a hub id"""
+    dataset: str = "data/arithmetic"
+    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
+    output_dir: str = "out/grpo"
+    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    system_prompt: str = ""
+    """optional system message before each question (a hub model needs the format explained)"""
+    max_steps: int = 60
+    """training steps (each: one rollout batch, then num_iterations updates)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (the group)"""
+    per_device_train_batch_size: int = 128
+    """completions per step = prompts per step x num_generations"""
+    max_completion_length: int = 64
+    """max new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature of the rollout"""
+    num_iterations: int = 1
+    """gradient steps per rollout batch (mu in the GRPO paper); > 1 needs the old log-probs"""
+    epsilon: float = 0.2
+    """clip range of the ratio pi/pi_old"""
+    beta: float = 0.04
+    """weight of the KL penalty to the reference policy (0 = no reference model)"""
+    loss_type: str = "grpo"
+    """'grpo': mean over each sequence's tokens, then over sequences; 'dapo': mean over all tokens"""
+    learning_rate: float = 1e-4
+    """peak learning rate of AdamW"""
+    warmup_steps: int = 10
+    """linear warmup steps, then cosine decay to 0"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    eval_steps: int = 10
+    """evaluate held-out accuracy every this many steps"""
+    num_eval_examples: int = 500
+    """held-out problems per evaluation (0 = the whole test split)"""
+    seed: int = 0
+    """random seed"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
+# as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
+# ---------------------------------------------------------------------------------------------
+def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
+    return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
+
+
+FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """+1.25 if the completion is exactly <think>...</think><answer>...</answer>, else -1."""
+    return [1.25 if FORMAT.match(completion.strip()) else -1.0 for completion in completions]
+
+
+REWARD_FUNCS = [correctness_reward, format_reward]
+
+
+# ---------------------------------------------------------------------------------------------
+# The math of GRPO
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for each completion i (note 004).
+
+    rewards [B*G], the G completions of a prompt contiguous; std is the unbiased one (torch's
+    default, as TRL). The group mean is the baseline a critic would otherwise learn. A group
+    whose completions all score the same gives 0 advantage: no signal from that prompt."""
+    grouped = rewards.view(-1, group_size)  # [B, G]
+    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'):
+
+        k3 = exp(ref - logp) - (ref - logp) - 1
+
+    unbiased for tokens sampled from pi, and >= 0 everywhere. [B, T] -> [B, T]."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo"):
+    """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
+
+        ratio = exp(logp - old_logp)            (pi_theta / pi_old)
+        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i) - beta * k3_t )
+
+    then aggregated over the real tokens (mask) in one of two ways:
+      'grpo' (DeepSeekMath, TRL's loss_type="grpo"): mean over each sequence's tokens, then mean
+             over sequences; every completion weighs the same, so a token of a long completion
+             weighs less than one of a short completion.
+      'dapo' (DAPO / BNPO, TRL's default today): one mean over all tokens of the batch; every
+             token weighs the same, which removes that length bias.
+
+    logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. With a single update
+    per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
+    logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
+    when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
+    """
+    mask = mask.bool()
+    # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
+    logprobs = torch.where(mask, logprobs, 0.0)
+    old_logprobs = torch.where(mask, old_logprobs, 0.0)
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    A = advantages.unsqueeze(1)  # [B, 1]
+    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * A)  # [B, T]
+    if beta != 0:
+        per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
+    per_token = torch.where(mask, per_token, 0.0)
+    if loss_type == "grpo":
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if loss_type == "dapo":
+        return per_token.sum() / mask.sum().clamp(min=1)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each row's real tokens, then over rows (how TRL reports kl)."""
+    mask = mask.to(values.dtype)
+    return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+
+
+def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps) -> float:
+    """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    A = advantages.unsqueeze(1)
+    clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
+    return (clipped & mask.bool()).sum().item() / mask.sum().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+def main(cfg: Config):
+    if cfg.num_generations < 2:
+        common.fail("--num_generations must be at least 2: the advantage compares completions within a group")
+    if cfg.per_device_train_batch_size % cfg.num_generations:
+        common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
+                    f"--num_generations ({cfg.num_generations})")
+    common.set_seed(cfg.seed)
+    device = common.get_device()
+    G = cfg.num_generations
+    num_prompts = cfg.per_device_train_batch_size // G
+
+    # data and models
+    train_data = common.load_split(cfg.dataset, "train")
+    test_data = common.load_split(cfg.dataset, "test")
+    if cfg.num_eval_examples:
+        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    model.to(device).train()
+    # The reference policy pi_ref: a frozen copy of the starting policy, only needed for the KL term.
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    total_updates = cfg.max_steps * cfg.num_iterations
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
+    rng = random.Random(cfg.seed)
+
+    def evaluate(step):
+        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+        common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                       f"sampled {scores['accuracy_sampled']:.1%}")
+        return scores
+
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
+    initial = evaluate(0)
+    for step in progress:
+        # 1. Rollout: G samples of each of B prompts, groups contiguous.
+        t0 = time.perf_counter()
+        rows = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows["question"] for _ in range(G)]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+        )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+        # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
+        columns = {name: [value for value in values for _ in range(G)] for name, values in rows.items()}
+        rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
+        rewards = rewards_per_func.sum(dim=1)  # [B*G]
+
+        # 3. Group-relative advantages replace the critic.
+        advantages = group_advantages(rewards, G).to(device)  # [B*G]
+        t1 = time.perf_counter()
+
+        # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
+        T = completion_ids.shape[1]
+        with torch.no_grad():
+            ref_logprobs = common.completion_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature) if ref_model else None
+            # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
+            old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
+
+        # 5. Policy updates on this batch.
+        time_logprobs, time_backward = time.perf_counter() - t1, 0.0
+        for _ in range(cfg.num_iterations):
+            t2 = time.perf_counter()
+            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature)  # [B*G, T]
+            old = old_logprobs if old_logprobs is not None else logprobs.detach()
+            loss = grpo_loss(logprobs, old, ref_logprobs, advantages, completion_mask, cfg.epsilon, cfg.beta, cfg.loss_type)
+            t3 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+
+        # 6. Logging (TRL's metric names where they exist).
+        with torch.no_grad():
+            kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs), completion_mask).item() if ref_model else 0.0
+            clipped = clip_fraction(logprobs, old, advantages, completion_mask, cfg.epsilon)
+        metrics = {
+            "step": step,
+            "loss": loss.item(),
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),  # within-group spread: the signal
+            **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
+            "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),
+            "kl": kl,
+            "completion_length": completion_mask.sum(dim=1).float().mean().item(),
+            "clip_fraction": clipped,
+            "grad_norm": grad_norm.item(),
+            "learning_rate": scheduler.get_last_lr()[0],
+            "time/generation": t1 - t0,
+            "time/logprobs": time_logprobs,
+            "time/backward": time_backward,
+        }
+        common.log_metrics(cfg.output_dir, metrics)
+        progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            scores = evaluate(step)
+            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+
+    common.save_checkpoint(model, tokenizer, cfg.output_dir)
+    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    png = common.plot_metrics(
+        cfg.output_dir,
+        {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
+         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
+         "kl to reference": ["kl"], "completion length": ["completion_length"]},
+        "GRPO",
+    )
+    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

@@ -1,0 +1,158 @@
+"""Stage 1 of RLHF: supervised fine-tuning (SFT) on prompt + reference answer.
+
+The model learns to imitate worked answers: the loss is the negative log-likelihood of the
+answer tokens only (the prompt is context, not a target). With no --model it trains the
+embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a laptop CPU.
+
+    python sft.py                                        # tiny model, data/arithmetic -> out/sft
+    python sft.py --max_steps 100 --output_dir out/sft_weak   # a weaker start for RL
+    python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --learning_rate 1e-5
+
+Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
+RL scripts can reward the format and the number.
+"""
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+import common
+
+
+@dataclass
+class Config:
+    model: str = "tiny"
+    """'tiny' builds the embedded ~1M-parameter model from scratch; else a local folder or hub id"""
+    dataset: str = "data/arithmetic"
+    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
+    output_dir: str = "out/sft"
+    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    system_prompt: str = ""
+    """optional system message before each question (a hub model may need the format explained)"""
+    max_steps: int = 600
+    """optimizer steps"""
+    per_device_train_batch_size: int = 64
+    """examples per step"""
+    learning_rate: float = 1e-3
+    """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
+    warmup_steps: int = 30
+    """linear warmup steps, then cosine decay to 0"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    max_completion_length: int = 64
+    """max new tokens when evaluating (and the longest training answer kept)"""
+    eval_steps: int = 100
+    """evaluate held-out accuracy every this many steps"""
+    num_eval_examples: int = 500
+    """held-out problems per evaluation (0 = the whole test split)"""
+    logging_steps: int = 10
+    """write a metrics.jsonl line every this many steps"""
+    seed: int = 0
+    """random seed"""
+
+
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean negative log-likelihood of the answer tokens (note 000, stage 1):
+
+        loss = -sum(logprobs * mask) / sum(mask)
+
+    logprobs [B, T] are log pi(answer token | prompt, earlier answer tokens); mask [B, T] is 1 on
+    real answer tokens (EOS included) and 0 on padding, so prompt and padding never count."""
+    mask = mask.to(logprobs.dtype)
+    return -(logprobs * mask).sum() / mask.sum()
+
+
+def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int):
+    """Each row -> (prompt token ids, answer token ids ending in EOS); too-long answers are dropped."""
+    examples = []
+    for question, answer in zip(data["question"], data["answer"]):
+        prompt = common.make_prompt(tokenizer, question, system_prompt)
+        target = common.format_completion(*common.split_gsm8k_answer(answer)) + tokenizer.eos_token
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+        if len(target_ids) <= max_completion_length:
+            examples.append((prompt_ids, target_ids))
+    return examples
+
+
+def collate(examples, pad_id: int):
+    """[left-padded prompt | right-padded answer], the same layout as an RL rollout.
+
+    Returns input_ids [B, P+T], attention_mask [B, P+T], answer_mask [B, T]."""
+    prompt_ids, prompt_mask = common.pad_left([p for p, _ in examples], pad_id)
+    answer_ids, answer_mask = common.pad_right([a for _, a in examples], pad_id)
+    return torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, answer_mask], 1), answer_mask
+
+
+def main(cfg: Config):
+    common.set_seed(cfg.seed)
+    device = common.get_device()
+
+    # data
+    train_data = common.load_split(cfg.dataset, "train")
+    test_data = common.load_split(cfg.dataset, "test")
+    if cfg.num_eval_examples:
+        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+
+    # model: the embedded tiny one from scratch, or a pretrained one
+    if cfg.model == "tiny":
+        tokenizer = common.build_tokenizer()
+        model = common.build_tiny_model(tokenizer)
+    else:
+        model, tokenizer = common.load_model(cfg.model)
+    model.to(device).train()
+    examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
+    if not examples:
+        common.fail(f"no training answer in {cfg.dataset} fits in --max_completion_length {cfg.max_completion_length}")
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
+    rng = random.Random(cfg.seed)
+
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="sft", dynamic_ncols=True)
+    for step in progress:
+        t0 = time.perf_counter()
+        input_ids, attention_mask, answer_mask = collate(rng.sample(examples, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
+        input_ids, attention_mask, answer_mask = input_ids.to(device), attention_mask.to(device), answer_mask.to(device)
+
+        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])  # [B, T]
+        loss = sft_loss(logprobs, answer_mask)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+
+        metrics = {}
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            metrics = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
+                       "learning_rate": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0}
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+            metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+            progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                           f"sampled {scores['accuracy_sampled']:.1%}")
+        if metrics:
+            common.log_metrics(cfg.output_dir, metrics)
+
+    common.save_checkpoint(model, tokenizer, cfg.output_dir)
+    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    png = common.plot_metrics(cfg.output_dir, {"loss": ["loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
+    print(f"saved model to {cfg.output_dir}; held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+          f"sampled {scores['accuracy_sampled']:.1%} (n={scores['n']}); curves in {png}")
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

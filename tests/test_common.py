@@ -1,0 +1,165 @@
+"""Tokenizer round trip, data parsing, and that log-probs line up with what generation sampled."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import common
+
+TEXTS = [
+    "What is 47 + 85?",
+    "  two spaces,\nnewlines\n\n and\ttabs  ",
+    "<think>7+5=12\n4+8+1=13</think><answer>132</answer>",
+    "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72",
+    "unicode: é ö 中文 🙂",
+]
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """A freshly built tiny model + tokenizer saved to disk, as sft.py does."""
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = common.build_tokenizer()
+    torch.manual_seed(0)
+    model = common.build_tiny_model(tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, tokenizer, model
+
+
+def test_tokenizer_is_byte_level():
+    tokenizer = common.build_tokenizer()
+    assert tokenizer("Hé", add_special_tokens=False)["input_ids"] == list("Hé".encode())
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_round_trip_through_autotokenizer(saved_tiny):
+    path, tokenizer, _ = saved_tiny
+    reloaded = AutoTokenizer.from_pretrained(path)
+    assert reloaded.padding_side == "left"
+    for text in TEXTS:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert reloaded(text, add_special_tokens=False)["input_ids"] == ids
+        assert reloaded.decode(ids) == text
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        assert getattr(reloaded, name) == getattr(tokenizer, name)
+    assert len({tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id}) == 3
+    assert reloaded.chat_template == tokenizer.chat_template
+    # load_model (what the RL scripts call) gives the same tokenizer
+    _, loaded = common.load_model(str(path))
+    assert loaded(TEXTS[1], add_special_tokens=False)["input_ids"] == tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+
+
+def test_format_tags_are_single_tokens_and_survive_decoding():
+    tokenizer = common.build_tokenizer()
+    ids = tokenizer("<think>1</think><answer>2</answer>", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6
+    text = tokenizer.decode(ids + [tokenizer.eos_token_id, tokenizer.pad_token_id], skip_special_tokens=True)
+    assert text == "<think>1</think><answer>2</answer>"
+
+
+def test_chat_template():
+    tokenizer = common.build_tokenizer()
+    assert common.make_prompt(tokenizer, "What is 1 + 2?") == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    with_system = common.make_prompt(tokenizer, "Q", system_prompt="S")
+    assert with_system == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tiny_model_size():
+    n = sum(p.numel() for p in common.build_tiny_model(common.build_tokenizer()).parameters())
+    assert 0.9e6 < n < 1.3e6
+
+
+# --- answer parsing --------------------------------------------------------------------------
+def test_split_gsm8k_answer():
+    answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72.\n#### 72"
+    assert common.split_gsm8k_answer(answer) == ("Natalia sold 48/2 = 24 clips in May.\nAltogether 48+24 = 72.", "72")
+
+
+@pytest.mark.parametrize(
+    "completion, answer, correct",
+    [
+        ("<think>x</think><answer>132</answer>", "... #### 132", True),
+        ("<think>x</think><answer> 1,000 </answer>", "#### 1000", True),
+        ("<think>x</think><answer>-33</answer>", "#### -33", True),
+        ("<think>x</think><answer>133</answer>", "#### 132", False),
+        ("132", "#### 132", False),  # no <answer> tag: not gradable
+        ("<answer>5</answer><answer>6</answer>", "#### 6", False),  # the first answer counts
+    ],
+)
+def test_is_correct(completion, answer, correct):
+    assert common.is_correct(completion, answer) is correct
+
+
+# --- data loading ----------------------------------------------------------------------------
+def test_shipped_data_is_gsm8k_schema_and_disjoint():
+    train = common.load_split("data/arithmetic", "train")
+    test = common.load_split("data/arithmetic", "test")
+    assert train.column_names == ["question", "answer"] and len(train) >= 1000 and len(test) >= 200
+    assert not set(train["question"]) & set(test["question"])
+    for row in test.select(range(50)):
+        a, op, b = row["question"].removeprefix("What is ").removesuffix("?").split()
+        assert int(common.split_gsm8k_answer(row["answer"])[1]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def test_load_split_errors_are_one_sentence(tmp_path):
+    with pytest.raises(SystemExit, match="has no train.jsonl"):
+        common.load_split(str(tmp_path), "train")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n{not json\n")
+    with pytest.raises(SystemExit, match="line 2 is not valid JSON"):
+        common.load_split(str(tmp_path), "train")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"question": "q", "solution": "1"}) + "\n")
+    with pytest.raises(SystemExit, match="no column 'answer'"):
+        common.load_split(str(tmp_path), "train")
+
+
+def test_load_model_missing_folder_names_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="run `python sft.py` first"):
+        common.load_model(str(tmp_path / "sft"), missing_hint="run `python sft.py` first")
+
+
+# --- log-probs line up with generation --------------------------------------------------------
+def test_completion_logprobs_match_generation_scores(saved_tiny):
+    """The log-probs we train on are those of the tokens generation sampled, at the same positions,
+    despite left padding (prompts of different lengths)."""
+    path, tokenizer, _ = saved_tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = [common.make_prompt(tokenizer, q) for q in ("What is 1 + 2?", "What is 47 + 85 + 1000?")]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(0)
+    out = model.generate(**encoded, max_new_tokens=6, do_sample=True, top_k=0, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=-1)
+    completion_ids = out.sequences[:, encoded["input_ids"].shape[1]:]
+    scores = torch.stack(out.logits, dim=1)  # [B, T, V]: what generation sampled from
+    expected = torch.log_softmax(scores.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    mask = torch.cat([encoded["attention_mask"], torch.ones_like(completion_ids)], dim=1)
+    with torch.no_grad():
+        got = common.completion_logprobs(model, out.sequences, mask, completion_ids.shape[1])
+    assert torch.allclose(got, expected, atol=1e-4)
+
+
+def test_completion_logprobs_equal_full_forward(saved_tiny):
+    _, _, model = saved_tiny
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, 256, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits  # [B, 9, V]
+        full = torch.log_softmax(logits[:, 5:8], -1).gather(-1, input_ids[:, 6:9].unsqueeze(-1)).squeeze(-1)
+        got = common.completion_logprobs(model, input_ids, attention_mask, 3)
+    assert torch.allclose(got, full, atol=1e-5)
+
+
+def test_generate_masks_after_first_eos(saved_tiny):
+    path, tokenizer, _ = saved_tiny
+    model, tokenizer = common.load_model(str(path))
+    torch.manual_seed(0)
+    prompts = [common.make_prompt(tokenizer, "What is 1 + 2?")] * 16
+    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 12)
+    assert prompt_ids.shape == prompt_mask.shape and completion_ids.shape == completion_mask.shape
+    assert torch.equal(completion_mask, common.mask_after_eos(completion_ids, tokenizer.eos_token_id))
+    # whatever follows a row's mask is padding
+    assert (completion_ids[completion_mask == 0] == tokenizer.pad_token_id).all()

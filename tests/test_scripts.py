@@ -1,0 +1,134 @@
+"""The scripts end to end, by subprocess with tiny settings, plus a few in-process training checks."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import grpo
+import sft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script, *args, check=True):
+    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(tmp_path_factory):
+    """A short SFT run: enough to learn the answer format, far from solving the task."""
+    out = str(tmp_path_factory.mktemp("sft"))
+    run("sft.py", "--output_dir", out, "--max_steps", "150", "--per_device_train_batch_size", "32",
+        "--learning_rate", "2e-3", "--eval_steps", "150", "--num_eval_examples", "64")
+    return out
+
+
+def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json", "sft.png"):
+        assert os.path.isfile(os.path.join(sft_checkpoint, name)), name
+    with open(os.path.join(sft_checkpoint, "eval.json")) as f:
+        scores = json.load(f)
+    assert set(scores) == {"accuracy_greedy", "accuracy_sampled", "n"} and scores["n"] == 64
+    losses = [row["loss"] for row in read_metrics(sft_checkpoint) if "loss" in row]
+    assert losses[-1] < 0.5 * losses[0]  # it learned
+
+
+def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "grpo")
+    run("grpo.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "16",
+        "--per_device_train_batch_size", "64", "--learning_rate", "3e-4", "--warmup_steps", "2",
+        "--eval_steps", "100", "--num_eval_examples", "32")
+    rows = [row for row in read_metrics(out) if "reward" in row]
+    assert len(rows) == 16
+    first, last = sum(r["reward"] for r in rows[:4]) / 4, sum(r["reward"] for r in rows[-4:]) / 4
+    assert last > first + 0.2, (first, last)
+    for key in ("loss", "reward_std", "accuracy", "kl", "completion_length", "clip_fraction",
+                "time/generation", "time/logprobs", "time/backward"):
+        assert key in rows[0], key
+    assert os.path.isfile(os.path.join(out, "grpo.png")) and os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+def test_grpo_multiple_iterations_and_dapo_run(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "grpo")
+    run("grpo.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "2", "--num_iterations", "2",
+        "--loss_type", "dapo", "--beta", "0", "--per_device_train_batch_size", "16", "--num_generations", "4",
+        "--eval_steps", "100", "--num_eval_examples", "8")
+    rows = [row for row in read_metrics(out) if "reward" in row]
+    assert rows[-1]["kl"] == 0.0 and len(rows) == 2
+
+
+def test_grpo_without_sft_checkpoint_says_what_to_run(tmp_path):
+    result = run("grpo.py", "--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o"), check=False)
+    assert result.returncode != 0
+    assert "run `python sft.py` first" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_generations", "1"], "at least 2"),
+    (["--per_device_train_batch_size", "12", "--num_generations", "8"], "must be a multiple"),
+])
+def test_grpo_rejects_bad_settings(sft_checkpoint, tmp_path, args, message):
+    result = run("grpo.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path), *args, check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script", ["sft.py", "grpo.py"])
+def test_help_documents_every_field(script):
+    help_text = run(script, "--help").stdout
+    config = {"sft.py": sft.Config, "grpo.py": grpo.Config}[script]
+    for field in config.__dataclass_fields__:
+        assert f"--{field}" in help_text
+
+
+# --- in-process training checks -------------------------------------------------------------
+def test_sft_step_changes_weights_and_ignores_prompt_tokens():
+    torch.manual_seed(0)
+    tokenizer = common.build_tokenizer()
+    model = common.build_tiny_model(tokenizer)
+    examples = [(tokenizer("<|im_start|>user\nWhat is 1 + 2?", add_special_tokens=False)["input_ids"], [51, 52]),
+                (tokenizer("<|im_start|>user\nWhat is 12 + 3?", add_special_tokens=False)["input_ids"], [53])]
+    input_ids, attention_mask, answer_mask = sft.collate(examples, tokenizer.pad_token_id)
+    logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
+    loss = sft.sft_loss(logprobs, answer_mask)
+    # the same loss from a full forward pass, counting answer tokens only
+    full = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).logits, -1)
+    P = input_ids.shape[1] - 2
+    manual = -(full[0, P - 1, 51] + full[0, P, 52] + full[1, P - 1, 53]) / 3
+    assert loss.item() == pytest.approx(manual.item(), rel=1e-5)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss.backward()
+    optimizer.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_grpo_step_changes_weights():
+    torch.manual_seed(0)
+    tokenizer = common.build_tokenizer()
+    model = common.build_tiny_model(tokenizer)
+    prompts = [common.make_prompt(tokenizer, "What is 1 + 2?")] * 4
+    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 8)
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    logprobs = common.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])
+    advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
+    loss = grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, completion_mask, 0.2, 0.04)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss.backward()
+    optimizer.step()
+    changed = sum(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert changed == len(before)
