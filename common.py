@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import random
 import re
@@ -74,6 +75,19 @@ def set_seed(seed: int):
 
 def get_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_lr_rate: float):
+    """lr(t) = peak * t / warmup during warmup, then a cosine from peak down to min_lr_rate * peak
+    (transformers' cosine_with_min_lr schedule, written out)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_rate + (1 - min_lr_rate) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,15 +190,14 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
         try:
             data = datasets.load_dataset("json", data_files=path, split="train")
         except Exception:  # the json reader's own error does not say where: find the line
-            data = None
-            _raise_bad_jsonl_line(path)
+            _fail_on_bad_jsonl_line(path)
     else:
         try:
             data = datasets.load_dataset(dataset, config_name, split=split)
         except Exception as error:
             fail(f"could not load dataset {dataset!r} split {split!r} ({str(error).splitlines()[0]})")
         path = dataset
-    if data is None or len(data) == 0:
+    if len(data) == 0:
         fail(f"{path} is empty")
     for column in columns:
         if column not in data.column_names:
@@ -192,14 +205,17 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
     return data
 
 
-def _raise_bad_jsonl_line(path: str):
+def _fail_on_bad_jsonl_line(path: str):
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError:
-                    fail(f"{path} line {number} is not valid JSON")
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        fail(f"{path} is empty")
+    for number, line in lines:
+        try:
+            if not isinstance(json.loads(line), dict):
+                fail(f"{path} line {number} is not a JSON object")
+        except json.JSONDecodeError:
+            fail(f"{path} line {number} is not valid JSON")
     fail(f"{path} could not be read as JSON lines")
 
 
@@ -327,22 +343,28 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
 # Held-out evaluation: exact-match accuracy, greedy and sampled
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", batch_size=256, temperature=1.0):
-    """Held-out exact-match accuracy of greedy decoding and of one sample (temperature 1) per problem.
+def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", samples_per_problem=4, batch_size=512):
+    """Held-out exact-match accuracy: of greedy decoding, and of sampling at temperature 1
+    (the mean over `samples_per_problem` samples of each problem, to halve the noise of one).
 
-    Greedy is the model's best guess; sampled accuracy is what RL sees and improves."""
+    Greedy is the model's best guess; sampled accuracy is what the policy earns in RL."""
     model.eval()
-    correct = {"greedy": 0, "sampled": 0}
-    for start in range(0, len(dataset), batch_size):
-        rows = dataset[start : start + batch_size]
+    correct_greedy = correct_sampled = 0
+    rows_per_batch = max(1, batch_size // samples_per_problem)
+    for start in range(0, len(dataset), rows_per_batch):
+        rows = dataset[start : start + rows_per_batch]
         prompts = [make_prompt(tokenizer, q, system_prompt) for q in rows["question"]]
-        for mode in correct:
-            *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, temperature, mode == "greedy")
-            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            correct[mode] += sum(is_correct(text, answer) for text, answer in zip(texts, rows["answer"]))
+        *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, rows["answer"]))
+        repeated = [p for p in prompts for _ in range(samples_per_problem)]
+        *_, completion_ids, _ = generate(model, tokenizer, repeated, max_new_tokens, temperature=1.0)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        answers = [a for a in rows["answer"] for _ in range(samples_per_problem)]
+        correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()
     n = len(dataset)
-    return {"accuracy_greedy": correct["greedy"] / n, "accuracy_sampled": correct["sampled"] / n, "n": n}
+    return {"accuracy_greedy": correct_greedy / n, "accuracy_sampled": correct_sampled / (n * samples_per_problem), "n": n}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +373,7 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", b
 def log_metrics(output_dir: str, metrics: dict):
     """Append one JSON object to <output_dir>/metrics.jsonl."""
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+        f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
 
 
 def write_json(path: str, obj: dict):
@@ -361,7 +383,7 @@ def write_json(path: str, obj: dict):
 
 
 def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
-    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<name>.png."""
+    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -382,7 +404,7 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(output_dir, f"{os.path.basename(os.path.normpath(output_dir))}.png")
+    path = os.path.join(output_dir, f"{title.lower()}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 import common
 
@@ -41,7 +40,7 @@ class Config:
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
     system_prompt: str = ""
     """optional system message before each question (a hub model needs the format explained)"""
-    max_steps: int = 60
+    max_steps: int = 120
     """training steps (each: one rollout batch, then num_iterations updates)"""
     num_generations: int = 8
     """G: completions sampled per prompt (the group)"""
@@ -59,15 +58,17 @@ class Config:
     """weight of the KL penalty to the reference policy (0 = no reference model)"""
     loss_type: str = "grpo"
     """'grpo': mean over each sequence's tokens, then over sequences; 'dapo': mean over all tokens"""
-    learning_rate: float = 1e-4
+    learning_rate: float = 3e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 10
-    """linear warmup steps, then cosine decay to 0"""
+    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
+    min_lr_rate: float = 0.1
+    """the cosine ends at min_lr_rate * learning_rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
-    eval_steps: int = 10
+    eval_steps: int = 40
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""
@@ -177,6 +178,8 @@ def main(cfg: Config):
     if cfg.per_device_train_batch_size % cfg.num_generations:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_generations ({cfg.num_generations})")
+    if cfg.loss_type not in ("grpo", "dapo"):
+        common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
     common.set_seed(cfg.seed)
     device = common.get_device()
     G = cfg.num_generations
@@ -193,7 +196,7 @@ def main(cfg: Config):
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
     os.makedirs(cfg.output_dir, exist_ok=True)
     open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
     rng = random.Random(cfg.seed)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 import common
 
@@ -27,27 +26,29 @@ import common
 class Config:
     model: str = "tiny"
     """'tiny' builds the embedded ~1M-parameter model from scratch; else a local folder or hub id"""
-    dataset: str = "data/arithmetic"
+    dataset: str = "data/demos"
     """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
     output_dir: str = "out/sft"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained)"""
-    max_steps: int = 600
+    max_steps: int = 700
     """optimizer steps"""
-    per_device_train_batch_size: int = 64
+    per_device_train_batch_size: int = 32
     """examples per step"""
     learning_rate: float = 1e-3
     """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
     warmup_steps: int = 30
-    """linear warmup steps, then cosine decay to 0"""
+    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
+    min_lr_rate: float = 0.1
+    """the cosine ends at min_lr_rate * learning_rate"""
     weight_decay: float = 0.01
     """AdamW weight decay"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     max_completion_length: int = 64
     """max new tokens when evaluating (and the longest training answer kept)"""
-    eval_steps: int = 100
+    eval_steps: int = 350
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""
@@ -114,7 +115,7 @@ def main(cfg: Config):
     print(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
     os.makedirs(cfg.output_dir, exist_ok=True)
     open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
     rng = random.Random(cfg.seed)
@@ -127,6 +128,7 @@ def main(cfg: Config):
 
         logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])  # [B, T]
         loss = sft_loss(logprobs, answer_mask)
+        t1 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -137,7 +139,8 @@ def main(cfg: Config):
         metrics = {}
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             metrics = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                       "learning_rate": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t0}
+                       "learning_rate": scheduler.get_last_lr()[0],
+                       "time/logprobs": t1 - t0, "time/backward": time.perf_counter() - t1}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
             metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],

@@ -5,12 +5,21 @@ columns of openai/gsm8k, so every script reads it with the same loader as the hu
 The reasoning works column by column from the right, the way a person adds or subtracts on
 paper; that chain of thought is what lets a 1M-parameter model get the sums right.
 
+Two folders, as in a real RLHF pipeline where demonstrations and RL prompts are different data:
+
+    data/demos/       SFT demonstrations written by a careless teacher: in a fraction
+                      (--careless) of them the teacher forgets the first carry or borrow, and the
+                      final number follows the slip. SFT imitates the teacher, slips included.
+    data/arithmetic/  problems with their true answers: RL prompts and the reward's ground truth.
+
+Both hold train.jsonl and the same held-out test.jsonl (true answers); no problem appears in two
+of {demos train, arithmetic train, test}.
+
     python data/make_data.py                          # the shipped set: 2-digit + and -
-    python data/make_data.py --digits 3 --ops +-      # harder: 3-digit, mixed
-    python data/make_data.py --out data/my_task       # write somewhere else
+    python data/make_data.py --digits 3               # harder: 3-digit operands
+    python data/make_data.py --careless 0 --out /tmp/data   # a perfect teacher, elsewhere
 
 Difficulty knobs: --digits (operand size) and --ops (which of + and - appear).
-Train and test problems are disjoint (no (a, op, b) appears in both).
 """
 import argparse
 import json
@@ -18,45 +27,56 @@ import os
 import random
 
 
-def add_steps(a: int, b: int) -> list[str]:
+def add_steps(a: int, b: int, careless=False) -> tuple[list[str], int]:
     """Column addition, ones first: '7+5=12' then '4+8+1=13' (the +1 is the carry).
 
     The result reads off the lines: the last line's sum, then each earlier line's last digit
-    (47 + 85 -> '13' '2' -> 132)."""
-    steps, carry = [], 0
+    (47 + 85 -> '13' '2' -> 132). A careless writer forgets the first carry ('4+8=12' -> 122)."""
+    steps, sums, carry = [], [], 0
     for _ in range(len(str(max(a, b)))):  # one line per column
+        if carry and careless:
+            carry, careless = 0, False
         da, db = a % 10, b % 10
         s = da + db + carry
         steps.append(f"{da}+{db}" + (f"+{carry}" if carry else "") + f"={s}")
+        sums.append(s)
         carry, a, b = s // 10, a // 10, b // 10
-    return steps
+    return steps, int(str(sums[-1]) + "".join(str(s % 10) for s in reversed(sums[:-1])))
 
 
-def sub_steps(a: int, b: int) -> list[str]:
-    """Column subtraction of a >= b, ones first: '12-7=5' borrows ten, the next column pays '-1'."""
-    steps, borrow = [], 0
+def sub_steps(a: int, b: int, careless=False) -> tuple[list[str], int]:
+    """Column subtraction of a >= b, ones first: '12-7=5' borrows ten, the next column pays '-1'.
+
+    A careless writer forgets to pay the first borrow back ('7-2=5' instead of '7-2-1=4')."""
+    steps, digits, borrow = [], [], 0
     for _ in range(len(str(a))):  # one line per column of the larger number
+        if borrow and careless:
+            borrow, careless = 0, False
         da, db = a % 10, b % 10
         top = da - borrow
         borrow = 1 if top < db else 0
-        line = f"{da + 10 * borrow}-{db}" + ("-1" if top != da else "") + f"={top + 10 * borrow - db}"
-        steps.append(line)
+        digits.append(top + 10 * borrow - db)
+        steps.append(f"{da + 10 * borrow}-{db}" + ("-1" if top != da else "") + f"={digits[-1]}")
         a, b = a // 10, b // 10
-    return steps
+    return steps, int("".join(str(d) for d in reversed(digits)))
 
 
-def solve(a: int, op: str, b: int) -> tuple[str, int]:
-    """Worked reasoning (one line per column) and the result of `a op b`."""
+def solve(a: int, op: str, b: int, careless=False) -> tuple[str, int]:
+    """Worked reasoning (one line per column) and the result of `a op b` it arrives at
+    (the true result, unless `careless` made it drop a carry or a borrow)."""
     if op == "+":
-        return "\n".join(add_steps(a, b)), a + b
+        steps, result = add_steps(a, b, careless)
+        return "\n".join(steps), result
     if a >= b:
-        return "\n".join(sub_steps(a, b)), a - b
+        steps, result = sub_steps(a, b, careless)
+        return "\n".join(steps), result
     # a < b: say so, then subtract the other way round and negate.
-    return f"{a}<{b} so -({b}-{a})\n" + "\n".join(sub_steps(b, a)), a - b
+    steps, result = sub_steps(b, a, careless)
+    return f"{a}<{b} so -({b}-{a})\n" + "\n".join(steps), -result
 
 
-def make_row(a: int, op: str, b: int) -> dict:
-    reasoning, result = solve(a, op, b)
+def make_row(a: int, op: str, b: int, careless=False) -> dict:
+    reasoning, result = solve(a, op, b, careless)
     return {"question": f"What is {a} {op} {b}?", "answer": f"{reasoning}\n#### {result}"}
 
 
@@ -65,31 +85,45 @@ def all_problems(digits: int, ops: str) -> list[tuple[int, str, int]]:
     return [(a, op, b) for op in ops for a in range(lo, hi) for b in range(lo, hi)]
 
 
+def write_jsonl(path: str, rows: list[dict]):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows)} rows to {path}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--digits", type=int, default=2, help="digits per operand")
     p.add_argument("--ops", default="+-", help="operations to draw from, any of '+-'")
-    p.add_argument("--n_train", type=int, default=6000, help="training problems")
-    p.add_argument("--n_test", type=int, default=500, help="held-out test problems")
+    p.add_argument("--careless", type=float, default=0.35, help="fraction of demonstrations with a forgotten carry/borrow")
+    p.add_argument("--n_demos", type=int, default=6000, help="SFT demonstrations (data/demos/train.jsonl)")
+    p.add_argument("--n_train", type=int, default=4000, help="RL problems (data/arithmetic/train.jsonl)")
+    p.add_argument("--n_test", type=int, default=500, help="held-out test problems (both folders' test.jsonl)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmetic"))
+    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder for demos/ and arithmetic/")
     args = p.parse_args()
     if not set(args.ops) <= set("+-") or not args.ops:
         p.error("--ops takes a non-empty mix of '+' and '-'")
+    if not 0 <= args.careless <= 1:
+        p.error("--careless is a fraction in [0, 1]")
 
     problems = all_problems(args.digits, args.ops)
     random.Random(args.seed).shuffle(problems)
-    if args.n_train + args.n_test > len(problems):
+    if args.n_test + args.n_demos + args.n_train > len(problems):
         p.error(f"only {len(problems)} distinct problems exist for --digits {args.digits} --ops {args.ops}")
-    splits = {"test": problems[: args.n_test], "train": problems[args.n_test : args.n_test + args.n_train]}
+    test = problems[: args.n_test]
+    demos = problems[args.n_test : args.n_test + args.n_demos]
+    train = problems[args.n_test + args.n_demos : args.n_test + args.n_demos + args.n_train]
 
-    os.makedirs(args.out, exist_ok=True)
-    for name, rows in splits.items():
-        path = os.path.join(args.out, f"{name}.jsonl")
-        with open(path, "w") as f:
-            for a, op, b in rows:
-                f.write(json.dumps(make_row(a, op, b)) + "\n")
-        print(f"wrote {len(rows)} rows to {path}")
+    slips = random.Random(args.seed + 1)
+    test_rows = [make_row(a, op, b) for a, op, b in test]
+    write_jsonl(os.path.join(args.out, "demos", "train.jsonl"),
+                [make_row(a, op, b, careless=slips.random() < args.careless) for a, op, b in demos])
+    write_jsonl(os.path.join(args.out, "demos", "test.jsonl"), test_rows)
+    write_jsonl(os.path.join(args.out, "arithmetic", "train.jsonl"), [make_row(a, op, b) for a, op, b in train])
+    write_jsonl(os.path.join(args.out, "arithmetic", "test.jsonl"), test_rows)
 
 
 if __name__ == "__main__":

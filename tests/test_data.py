@@ -1,0 +1,74 @@
+"""The shipped data and its generator: GSM8K schema, true answers, disjoint splits, the careless teacher."""
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+
+import common
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "data"))
+from make_data import solve  # noqa: E402
+
+
+def parse(question: str) -> tuple[int, str, int]:
+    a, op, b = question.removeprefix("What is ").removesuffix("?").split()
+    return int(a), op, int(b)
+
+
+def true_result(question: str) -> int:
+    a, op, b = parse(question)
+    return a + b if op == "+" else a - b
+
+
+def test_solve_is_right_for_every_small_problem():
+    for a, b, op in itertools.product(range(120), range(120), "+-"):
+        reasoning, result = solve(a, op, b)
+        assert result == (a + b if op == "+" else a - b) and reasoning
+
+
+@pytest.mark.parametrize("a, op, b, reasoning, result", [
+    (47, "+", 85, "7+5=12\n4+8+1=13", 132),
+    (75, "-", 28, "15-8=7\n7-2-1=4", 47),
+    (28, "-", 75, "28<75 so -(75-28)\n15-8=7\n7-2-1=4", -47),
+    (93, "-", 42, "3-2=1\n9-4=5", 51),
+])
+def test_worked_reasoning_hand_written(a, op, b, reasoning, result):
+    assert solve(a, op, b) == (reasoning, result)
+
+
+@pytest.mark.parametrize("a, op, b, reasoning, result", [
+    (47, "+", 85, "7+5=12\n4+8=12", 122),  # forgot the carry
+    (75, "-", 28, "15-8=7\n7-2=5", 57),  # forgot to pay back the borrow
+    (28, "-", 75, "28<75 so -(75-28)\n15-8=7\n7-2=5", -57),
+    (93, "-", 42, "3-2=1\n9-4=5", 51),  # nothing to forget: still right
+])
+def test_careless_teacher_forgets_the_first_carry_or_borrow(a, op, b, reasoning, result):
+    assert solve(a, op, b, careless=True) == (reasoning, result)
+
+
+def test_shipped_data_schema_splits_and_truth():
+    demos = common.load_split("data/demos", "train")
+    train = common.load_split("data/arithmetic", "train")
+    test = common.load_split("data/arithmetic", "test")
+    assert demos.column_names == train.column_names == test.column_names == ["question", "answer"]
+    assert (len(demos), len(train), len(test)) == (6000, 4000, 500)
+    assert list(common.load_split("data/demos", "test")["question"]) == list(test["question"])
+    sets = [set(demos["question"]), set(train["question"]), set(test["question"])]
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    # RL problems and the test set carry true answers (the reward's ground truth) ...
+    for row in list(train) + list(test):
+        assert int(common.split_gsm8k_answer(row["answer"])[1]) == true_result(row["question"])
+    # ... while about 35% of the demonstrations with a carry or borrow are careless.
+    wrong = sum(int(common.split_gsm8k_answer(r["answer"])[1]) != true_result(r["question"]) for r in demos)
+    could_slip = sum(solve(*parse(q), careless=True)[1] != true_result(q) for q in demos["question"])
+    assert 0.30 < wrong / could_slip < 0.40
+
+
+def test_make_data_is_deterministic(tmp_path):
+    subprocess.run([sys.executable, "data/make_data.py", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
+    for name in ("demos/train.jsonl", "demos/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl"):
+        with open(tmp_path / name) as a, open(os.path.join(ROOT, "data", name)) as b:
+            assert a.read() == b.read(), name
