@@ -41,7 +41,10 @@ def fail(message: str):
 def parse_config(config_class, args=None):
     """Build an argparse parser from a dataclass, CleanRL style: each field's help text is the
     string literal written under it, so `python grpo.py --help` documents every field."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body
+    except (OSError, TypeError):  # no source file (e.g. a class typed into a REPL): no help texts
+        body = []
     docs = {
         node.target.id: nxt.value.value
         for node, nxt in zip(body, body[1:])
@@ -50,9 +53,7 @@ def parse_config(config_class, args=None):
     script_doc = sys.modules["__main__"].__doc__
     parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(config_class):
-        kind = {"bool": _to_bool}.get(getattr(field.type, "__name__", field.type), field.type)
-        if isinstance(kind, str):  # `from __future__ import annotations` style
-            kind = {"str": str, "int": int, "float": float, "bool": _to_bool}[kind]
+        kind = _to_bool if field.type is bool else field.type  # argparse's bool("False") would be True
         parser.add_argument(
             f"--{field.name}", type=kind, default=field.default, help=f"{docs.get(field.name, '')} (default: %(default)s)"
         )
@@ -170,7 +171,7 @@ def save_checkpoint(model, tokenizer, output_dir: str):
     crash while writing never leaves a half-written checkpoint over a good one."""
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    getattr(model, "module", model).save_pretrained(tmp)
+    model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -297,9 +298,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         eos_token_id=tokenizer.eos_token_id,
         **(dict(do_sample=False) if greedy else sampling),
     )
-    sequences = getattr(model, "module", model).generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-    )
+    sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
     completion_ids = sequences[:, prompt_ids.shape[1] :]  # [B, T]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
 

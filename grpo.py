@@ -200,6 +200,7 @@ def main(cfg: Config):
     os.makedirs(cfg.output_dir, exist_ok=True)
     open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
     rng = random.Random(cfg.seed)
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
 
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
@@ -209,7 +210,6 @@ def main(cfg: Config):
                        f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
     initial = evaluate(0)
     for step in progress:
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
@@ -264,7 +264,7 @@ def main(cfg: Config):
             "reward": rewards.mean().item(),
             "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),  # within-group spread: the signal
             **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
-            "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),
+            "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
             "kl": kl,
             "completion_length": completion_mask.sum(dim=1).float().mean().item(),
             "clip_fraction": clipped,

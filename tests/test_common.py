@@ -153,3 +153,18 @@ def test_generate_masks_after_first_eos(saved_tiny):
     assert torch.equal(completion_mask, common.mask_after_eos(completion_ids, tokenizer.eos_token_id))
     # whatever follows a row's mask is padding
     assert (completion_ids[completion_mask == 0] == tokenizer.pad_token_id).all()
+
+
+def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):
+    (tmp_path / "cfgmod.py").write_text(
+        "from dataclasses import dataclass\n\n@dataclass\nclass C:\n    flag: bool = False\n"
+        "    \"\"\"turn it on\"\"\"\n    n: int = 3\n    \"\"\"how many\"\"\"\n    lr: float = 0.1\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from cfgmod import C
+
+    assert common.parse_config(C, ["--flag", "false"]) == C(flag=False, n=3, lr=0.1)
+    assert common.parse_config(C, ["--flag", "true", "--n", "5", "--lr", "2e-3"]) == C(flag=True, n=5, lr=2e-3)
+    with pytest.raises(SystemExit):
+        common.parse_config(C, ["--help"])
+    assert "turn it on" in capsys.readouterr().out
