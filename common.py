@@ -23,7 +23,13 @@ from torch.nn.utils.rnn import pad_sequence
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    LlamaConfig,
+)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
 transformers.utils.logging.set_verbosity_error()
@@ -151,14 +157,21 @@ def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> t
     return transformers.LlamaForCausalLM(config)
 
 
-def load_model(name_or_path: str, missing_hint: str = ""):
-    """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence."""
+def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False):
+    """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence.
+
+    scalar_head=True loads the transformer with a linear N -> 1 head instead of the LM head
+    (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
+    SFT checkpoint the head starts random; from a reward-model checkpoint it is the trained one."""
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
     if is_local and not os.path.isfile(os.path.join(name_or_path, "config.json")):
         fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+        if scalar_head:
+            model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
     except OSError as error:  # not on disk and not reachable on the hub
         fail(f"could not load model {name_or_path!r} ({str(error).splitlines()[0]})")
     if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
@@ -320,13 +333,17 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0):
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                        with_entropy: bool = False):
     """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
 
     The logit at position t predicts token t+1, so the T completion tokens are predicted by the
     positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
     drop the final one. Logits are divided by the sampling temperature, so these are the
     log-probs of the distribution the completions were sampled from.
+
+    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
+    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
     """
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     logits = model(
@@ -334,8 +351,14 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
         attention_mask=attention_mask,
         position_ids=position_ids,
         logits_to_keep=num_completion_tokens + 1,
-    ).logits[:, :-1]  # [B, T, V]
-    return gather_logprobs(logits / temperature, input_ids[:, -num_completion_tokens:])
+    ).logits[:, :-1] / temperature  # [B, T, V]
+    logprobs = gather_logprobs(logits, input_ids[:, -num_completion_tokens:])
+    if not with_entropy:
+        return logprobs
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [B, T]
+    return logprobs, entropy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +426,7 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(output_dir, f"{title.lower()}.png")
+    path = os.path.join(output_dir, title.lower().replace(" ", "_") + ".png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

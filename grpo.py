@@ -58,7 +58,7 @@ class Config:
     """weight of the KL penalty to the reference policy (0 = no reference model)"""
     loss_type: str = "grpo"
     """'grpo': mean over each sequence's tokens, then over sequences; 'dapo': mean over all tokens"""
-    learning_rate: float = 3e-5
+    learning_rate: float = 5e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 10
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""

@@ -36,7 +36,7 @@ class Config:
     """optimizer steps"""
     per_device_train_batch_size: int = 32
     """examples per step"""
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
     warmup_steps: int = 30
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""

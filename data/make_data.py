@@ -8,12 +8,15 @@ paper; that chain of thought is what lets a 1M-parameter model get the sums righ
 Two folders, as in a real RLHF pipeline where demonstrations and RL prompts are different data:
 
     data/demos/       SFT demonstrations written by a careless teacher: in a fraction
-                      (--careless) of them the teacher forgets the first carry or borrow, and the
-                      final number follows the slip. SFT imitates the teacher, slips included.
+                      (--careless) of them the teacher forgets the first carry or borrow (the
+                      final number follows the slip) and, on a negative result, the minus sign.
+                      SFT imitates the teacher, slips included.
     data/arithmetic/  problems with their true answers: RL prompts and the reward's ground truth.
+    data/preference/  reward-model pairs in Dahoas/rm-static's schema (prompt, chosen, rejected):
+                      chosen is right, rejected a plausible mistake (see make_pair).
 
-Both hold train.jsonl and the same held-out test.jsonl (true answers); no problem appears in two
-of {demos train, arithmetic train, test}.
+All hold train.jsonl and a held-out test.jsonl on the same test problems; no problem appears in
+two of {demos train, arithmetic train, preference train, test}.
 
     python data/make_data.py                          # the shipped set: 2-digit + and -
     python data/make_data.py --digits 3               # harder: 3-digit operands
@@ -27,57 +30,110 @@ import os
 import random
 
 
-def add_steps(a: int, b: int, careless=False) -> tuple[list[str], int]:
+def off_by_one(digit: int) -> int:
+    """A slipped digit: one more, or one less for a 9 (so a slip never creates a carry)."""
+    return digit + 1 if digit % 10 != 9 else digit - 1
+
+
+def add_steps(a: int, b: int, careless=False, wrong_column=None) -> tuple[list[str], int]:
     """Column addition, ones first: '7+5=12' then '4+8+1=13' (the +1 is the carry).
 
     The result reads off the lines: the last line's sum, then each earlier line's last digit
-    (47 + 85 -> '13' '2' -> 132). A careless writer forgets the first carry ('4+8=12' -> 122)."""
+    (47 + 85 -> '13' '2' -> 132). A careless writer forgets the first carry ('4+8=12' -> 122);
+    `wrong_column` (0 = ones) gets a sum off by one ('7+5=13' -> 133)."""
     steps, sums, carry = [], [], 0
-    for _ in range(len(str(max(a, b)))):  # one line per column
+    for column in range(len(str(max(a, b)))):  # one line per column
         if carry and careless:
             carry, careless = 0, False
         da, db = a % 10, b % 10
         s = da + db + carry
+        if column == wrong_column:
+            s = off_by_one(s)
         steps.append(f"{da}+{db}" + (f"+{carry}" if carry else "") + f"={s}")
         sums.append(s)
         carry, a, b = s // 10, a // 10, b // 10
     return steps, int(str(sums[-1]) + "".join(str(s % 10) for s in reversed(sums[:-1])))
 
 
-def sub_steps(a: int, b: int, careless=False) -> tuple[list[str], int]:
+def sub_steps(a: int, b: int, careless=False, wrong_column=None) -> tuple[list[str], int]:
     """Column subtraction of a >= b, ones first: '12-7=5' borrows ten, the next column pays '-1'.
 
-    A careless writer forgets to pay the first borrow back ('7-2=5' instead of '7-2-1=4')."""
+    A careless writer forgets to pay the first borrow back ('7-2=5' instead of '7-2-1=4');
+    `wrong_column` (0 = ones) gets a difference off by one."""
     steps, digits, borrow = [], [], 0
-    for _ in range(len(str(a))):  # one line per column of the larger number
+    for column in range(len(str(a))):  # one line per column of the larger number
         if borrow and careless:
             borrow, careless = 0, False
         da, db = a % 10, b % 10
         top = da - borrow
         borrow = 1 if top < db else 0
         digits.append(top + 10 * borrow - db)
+        if column == wrong_column:
+            digits[-1] = off_by_one(digits[-1])
         steps.append(f"{da + 10 * borrow}-{db}" + ("-1" if top != da else "") + f"={digits[-1]}")
         a, b = a // 10, b // 10
     return steps, int("".join(str(d) for d in reversed(digits)))
 
 
-def solve(a: int, op: str, b: int, careless=False) -> tuple[str, int]:
-    """Worked reasoning (one line per column) and the result of `a op b` it arrives at
-    (the true result, unless `careless` made it drop a carry or a borrow)."""
+def solve(a: int, op: str, b: int, careless=False, wrong_column=None) -> tuple[str, int]:
+    """Worked reasoning (one line per column) and the result of `a op b` it arrives at: the true
+    result, unless `careless` made it drop the first carry or borrow, or the minus sign, or
+    `wrong_column` slipped a digit."""
     if op == "+":
-        steps, result = add_steps(a, b, careless)
+        steps, result = add_steps(a, b, careless, wrong_column)
         return "\n".join(steps), result
     if a >= b:
-        steps, result = sub_steps(a, b, careless)
+        steps, result = sub_steps(a, b, careless, wrong_column)
         return "\n".join(steps), result
-    # a < b: say so, then subtract the other way round and negate.
-    steps, result = sub_steps(b, a, careless)
-    return f"{a}<{b} so -({b}-{a})\n" + "\n".join(steps), -result
+    # a < b: say so, then subtract the other way round and negate (a careless writer forgets to).
+    steps, result = sub_steps(b, a, careless, wrong_column)
+    return f"{a}<{b} so -({b}-{a})\n" + "\n".join(steps), result if careless else -result
 
 
 def make_row(a: int, op: str, b: int, careless=False) -> dict:
     reasoning, result = solve(a, op, b, careless)
     return {"question": f"What is {a} {op} {b}?", "answer": f"{reasoning}\n#### {result}"}
+
+
+def completion(reasoning: str, result) -> str:
+    """What the policy writes (note 002's format): <think>reasoning</think><answer>number</answer>."""
+    return f"<think>{reasoning}</think><answer>{result}</answer>"
+
+
+REJECTED_KINDS = {"careless": 0.35, "digit": 0.25, "final": 0.25, "format": 0.15}
+
+
+def make_pair(a: int, op: str, b: int, kind: str, rng: random.Random) -> dict:
+    """A preference pair in Dahoas/rm-static's schema: prompt, chosen (right), rejected (a
+    plausible wrong answer of the given kind, the mistakes a policy makes):
+
+        careless  the careless teacher's slip: a forgotten carry, borrow or minus sign
+        digit     one column's result off by one; the final number follows the slip
+        final     every line right, but the final number has one digit changed (a hard negative:
+                  only reading the reasoning tells it from the chosen answer)
+        format    the right number in a broken format (a missing tag, or text after the answer)
+    """
+    reasoning, result = solve(a, op, b)
+    chosen = completion(reasoning, result)
+    if kind == "careless" and solve(a, op, b, careless=True)[1] == result:
+        kind = "digit"  # no carry, borrow or sign to forget in this problem
+    if kind == "careless":
+        rejected = completion(*solve(a, op, b, careless=True))
+    elif kind == "digit":
+        rejected = completion(*solve(a, op, b, wrong_column=rng.randrange(len(str(max(a, b))))))
+    elif kind == "final":
+        digits = list(str(abs(result)))
+        i = rng.randrange(len(digits))
+        digits[i] = str(off_by_one(int(digits[i])) % 10)
+        rejected = completion(reasoning, ("-" if result < 0 else "") + "".join(digits))
+    else:
+        rejected = rng.choice([
+            f"<think>{reasoning}<answer>{result}</answer>",  # no </think>
+            f"<think>{reasoning}</think>{result}",  # no <answer> tags
+            f"{reasoning}</think><answer>{result}</answer>",  # no <think>
+            f"<think>{reasoning}</think><answer>{result}</answer>{result}",  # text after the answer
+        ])
+    return {"prompt": f"What is {a} {op} {b}?", "chosen": chosen, "rejected": rejected}
 
 
 def all_problems(digits: int, ops: str) -> list[tuple[int, str, int]]:
@@ -97,9 +153,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--digits", type=int, default=2, help="digits per operand")
     p.add_argument("--ops", default="+-", help="operations to draw from, any of '+-'")
-    p.add_argument("--careless", type=float, default=0.35, help="fraction of demonstrations with a forgotten carry/borrow")
+    p.add_argument("--careless", type=float, default=0.35, help="fraction of demonstrations with a forgotten carry/borrow/minus sign")
     p.add_argument("--n_demos", type=int, default=6000, help="SFT demonstrations (data/demos/train.jsonl)")
     p.add_argument("--n_train", type=int, default=4000, help="RL problems (data/arithmetic/train.jsonl)")
+    p.add_argument("--n_pairs", type=int, default=3000, help="reward-model pairs (data/preference/train.jsonl)")
     p.add_argument("--n_test", type=int, default=500, help="held-out test problems (both folders' test.jsonl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder for demos/ and arithmetic/")
@@ -111,11 +168,11 @@ def main():
 
     problems = all_problems(args.digits, args.ops)
     random.Random(args.seed).shuffle(problems)
-    if args.n_test + args.n_demos + args.n_train > len(problems):
+    sizes = [args.n_test, args.n_demos, args.n_train, args.n_pairs]
+    if sum(sizes) > len(problems):
         p.error(f"only {len(problems)} distinct problems exist for --digits {args.digits} --ops {args.ops}")
-    test = problems[: args.n_test]
-    demos = problems[args.n_test : args.n_test + args.n_demos]
-    train = problems[args.n_test + args.n_demos : args.n_test + args.n_demos + args.n_train]
+    ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
+    test, demos, train, pairs = (problems[end - size : end] for size, end in zip(sizes, ends))
 
     slips = random.Random(args.seed + 1)
     test_rows = [make_row(a, op, b) for a, op, b in test]
@@ -124,6 +181,11 @@ def main():
     write_jsonl(os.path.join(args.out, "demos", "test.jsonl"), test_rows)
     write_jsonl(os.path.join(args.out, "arithmetic", "train.jsonl"), [make_row(a, op, b) for a, op, b in train])
     write_jsonl(os.path.join(args.out, "arithmetic", "test.jsonl"), test_rows)
+
+    kinds = random.Random(args.seed + 2)
+    draw = lambda: kinds.choices(list(REJECTED_KINDS), weights=list(REJECTED_KINDS.values()))[0]  # noqa: E731
+    write_jsonl(os.path.join(args.out, "preference", "train.jsonl"), [make_pair(*abc, draw(), kinds) for abc in pairs])
+    write_jsonl(os.path.join(args.out, "preference", "test.jsonl"), [make_pair(*abc, draw(), kinds) for abc in test])
 
 
 if __name__ == "__main__":

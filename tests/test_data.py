@@ -1,16 +1,18 @@
 """The shipped data and its generator: GSM8K schema, true answers, disjoint splits, the careless teacher."""
 import itertools
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
 import common
+import grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "data"))
-from make_data import solve  # noqa: E402
+from make_data import make_pair, solve  # noqa: E402
 
 
 def parse(question: str) -> tuple[int, str, int]:
@@ -42,10 +44,11 @@ def test_worked_reasoning_hand_written(a, op, b, reasoning, result):
 @pytest.mark.parametrize("a, op, b, reasoning, result", [
     (47, "+", 85, "7+5=12\n4+8=12", 122),  # forgot the carry
     (75, "-", 28, "15-8=7\n7-2=5", 57),  # forgot to pay back the borrow
-    (28, "-", 75, "28<75 so -(75-28)\n15-8=7\n7-2=5", -57),
+    (28, "-", 75, "28<75 so -(75-28)\n15-8=7\n7-2=5", 57),  # ... and the minus sign
+    (12, "-", 13, "12<13 so -(13-12)\n3-2=1\n1-1=0", 1),  # no borrow, but the minus sign
     (93, "-", 42, "3-2=1\n9-4=5", 51),  # nothing to forget: still right
 ])
-def test_careless_teacher_forgets_the_first_carry_or_borrow(a, op, b, reasoning, result):
+def test_careless_teacher_forgets_the_first_carry_or_borrow_and_the_sign(a, op, b, reasoning, result):
     assert solve(a, op, b, careless=True) == (reasoning, result)
 
 
@@ -61,7 +64,7 @@ def test_shipped_data_schema_splits_and_truth():
     # RL problems and the test set carry true answers (the reward's ground truth) ...
     for row in list(train) + list(test):
         assert int(common.split_gsm8k_answer(row["answer"])[1]) == true_result(row["question"])
-    # ... while about 35% of the demonstrations with a carry or borrow are careless.
+    # ... while about 35% of the demonstrations with a carry, borrow or sign to forget are careless.
     wrong = sum(int(common.split_gsm8k_answer(r["answer"])[1]) != true_result(r["question"]) for r in demos)
     could_slip = sum(solve(*parse(q), careless=True)[1] != true_result(q) for q in demos["question"])
     assert 0.30 < wrong / could_slip < 0.40
@@ -72,3 +75,25 @@ def test_make_data_is_deterministic(tmp_path):
     for name in ("demos/train.jsonl", "demos/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl"):
         with open(tmp_path / name) as a, open(os.path.join(ROOT, "data", name)) as b:
             assert a.read() == b.read(), name
+
+
+@pytest.mark.parametrize("a, op, b, column, reasoning, result", [
+    (47, "+", 85, 0, "7+5=13\n4+8+1=13", 133),  # the slipped ones digit shows in the result
+    (47, "+", 85, 1, "7+5=12\n4+8+1=14", 142),
+    (75, "-", 28, 1, "15-8=7\n7-2-1=5", 57),
+    (19, "+", 30, 0, "9+0=8\n1+3=4", 48),  # a 9 slips down, so no carry appears
+])
+def test_a_wrong_column_is_off_by_one_and_the_result_follows(a, op, b, column, reasoning, result):
+    assert solve(a, op, b, wrong_column=column) == (reasoning, result)
+
+
+def test_make_pair_kinds():
+    rng = random.Random(0)
+    chosen = "<think>7+5=12\n4+8+1=13</think><answer>132</answer>"
+    pair = make_pair(47, "+", 85, "careless", rng)
+    assert pair == {"prompt": "What is 47 + 85?", "chosen": chosen,
+                    "rejected": "<think>7+5=12\n4+8=12</think><answer>122</answer>"}
+    final = make_pair(47, "+", 85, "final", rng)["rejected"]
+    assert final.startswith("<think>7+5=12\n4+8+1=13</think><answer>") and final != chosen
+    assert make_pair(93, "-", 42, "careless", rng)["rejected"] != make_pair(93, "-", 42, "careless", rng)["chosen"]
+    assert not grpo.FORMAT.match(make_pair(47, "+", 85, "format", rng)["rejected"])

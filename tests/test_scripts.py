@@ -1,8 +1,6 @@
 """The scripts end to end, by subprocess with tiny settings, plus a few in-process training checks."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,29 +8,7 @@ import torch
 import common
 import grpo
 import sft
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(script, *args, check=True):
-    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-@pytest.fixture(scope="session")
-def sft_checkpoint(tmp_path_factory):
-    """A short SFT run (~1 min): the answer format is learned, the sums are right ~40% of the time."""
-    out = str(tmp_path_factory.mktemp("sft"))
-    run("sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3",
-        "--eval_steps", "300", "--num_eval_examples", "64")
-    return out
+from conftest import ROOT, read_metrics, run
 
 
 def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):

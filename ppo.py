@@ -1,0 +1,376 @@
+"""Stage 3 of classic RLHF: PPO with four models (note 000, DeepSpeed-Chat; note 003, OpenRLHF).
+
+    actor      pi_theta: the policy being trained             starts as the SFT model (out/sft)
+    reference  pi_ref: a frozen copy of the starting actor    anchors the KL penalty
+    critic     V(s_t): one value per token, trained           starts as the reward model (out/rm)
+    reward     r(x, y): one score per completion, frozen      the reward model (out/rm)
+
+    python sft.py && python reward_model.py && python ppo.py
+    python ppo.py --reward_model rule       # the rule-based checker instead of the reward model
+
+Only the actor decodes ("rollout"); the reference, critic and reward model just read the finished
+sequences in one forward pass each ("inference", prefill only). One step:
+  1. rollout:    the actor samples one completion per prompt    completion_ids, mask    [B, T]
+  2. inference:  the actor's (old) and the reference's log-probs, the critic's values  [B, T]
+                 and the reward model's score at each completion's EOS                 [B]
+  3. rewards:    per token -kl_coef * (logp - ref_logp); the clipped score added on the last token
+  4. GAE:        advantages and returns, computed backwards over the tokens             [B, T]
+  5. PPO epochs: num_ppo_epochs passes over mini-batches of this experience; the clipped actor
+                 loss steps the actor, the clipped critic loss steps the critic
+"""
+import copy
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Config:
+    model: str = "out/sft"
+    """actor (and reference) to start from: a folder written by sft.py, or a hub id"""
+    reward_model: str = "out/rm"
+    """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
+    dataset: str = "data/arithmetic"
+    """prompts: a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
+    output_dir: str = "out/ppo"
+    """where the actor checkpoint (critic in critic/), metrics.jsonl, eval.json and the PNG go"""
+    system_prompt: str = ""
+    """optional system message before each question (use the same as for sft.py)"""
+    max_steps: int = 150
+    """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
+    per_device_train_batch_size: int = 64
+    """prompts per step, one completion each"""
+    num_mini_batches: int = 1
+    """mini-batches the experience is split into, per PPO epoch"""
+    num_ppo_epochs: int = 1
+    """passes over each batch of experience (DeepSpeed-Chat's ppo_epochs)"""
+    max_completion_length: int = 64
+    """max new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature of the rollout"""
+    kl_coef: float = 0.05
+    """beta of the per-token KL reward -beta * (logp - ref_logp)"""
+    clip_score: float = 5.0
+    """the reward model's score is clamped to [-clip_score, clip_score] (DeepSpeed-Chat's clip_reward_value)"""
+    cliprange: float = 0.2
+    """clip range of the actor's ratio pi/pi_old"""
+    cliprange_value: float = 0.2
+    """clip range of the critic's values around the old values"""
+    gamma: float = 1.0
+    """discount factor of GAE"""
+    lam: float = 0.95
+    """lambda of GAE: 0 = one-step TD error, 1 = Monte Carlo return minus value"""
+    whiten_advantages: bool = True
+    """normalise the advantages of each batch to mean 0, std 1 over the real tokens"""
+    learning_rate: float = 3e-5
+    """peak learning rate of the actor's AdamW"""
+    critic_learning_rate: float = 1e-4
+    """peak learning rate of the critic's AdamW"""
+    warmup_steps: int = 10
+    """linear warmup steps from 0 to the learning rates, then a cosine decay"""
+    min_lr_rate: float = 0.1
+    """the cosine ends at min_lr_rate * learning rate"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (actor and critic separately)"""
+    eval_steps: int = 50
+    """evaluate held-out accuracy every this many steps"""
+    num_eval_examples: int = 500
+    """held-out problems per evaluation (0 = the whole test split)"""
+    seed: int = 0
+    """random seed"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference: values from the critic, scores from the reward model (prefill only)
+# ---------------------------------------------------------------------------------------------
+def hidden_states(model, input_ids, attention_mask):
+    """The transformer's last hidden states [B, L, H] (no LM head), with left-padding positions."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+
+
+def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int):
+    """V(s_t) [B, T]: the critic's value of the state in which completion token t is chosen.
+
+    That state is everything before token t, whose last position is the one that predicts t (note
+    003): the first state ends at the prompt's last token, the last at the token before the last
+    one. So, like the log-probs, the values come from positions P-1 .. P+T-2."""
+    hidden = hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]  # [B, T, H]
+    return critic.score(hidden).squeeze(-1)
+
+
+def reward_scores(reward_model, input_ids, attention_mask):
+    """r(x, y) [B]: the reward model's score at each sequence's last real token, the EOS (note 003:
+    an outcome reward model computes a score at every position, only the EOS one is used).
+    The same as reward_model.sequence_scores."""
+    hidden = hidden_states(reward_model, input_ids, attention_mask)
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
+    return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
+
+
+def rule_scores(completions: list[str], answers: list[str]) -> torch.Tensor:
+    """The rule-based alternative to a reward model (--reward_model rule): +1 for a correct
+    number in the right format, -1 otherwise. [B]"""
+    return torch.tensor([1.0 if common.is_correct(c, a) and c.strip().endswith("</answer>") else -1.0
+                         for c, a in zip(completions, answers)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The math of PPO for language models
+# ---------------------------------------------------------------------------------------------
+def compute_rewards(score, logprobs, ref_logprobs, mask, kl_coef, clip_score):
+    """Per-token rewards [B, T] (note 000, DeepSpeed-Chat's compute_rewards):
+
+        r_t = -kl_coef * (logp_t - ref_logp_t)                     on every real token
+        r_T += clamp(score, -clip_score, clip_score)               on each row's last real token
+
+    The KL term pays the policy, token by token, for staying close to the reference; the reward
+    model's verdict on the whole completion arrives only at its end. Padding gets 0.
+    score [B]; logprobs, ref_logprobs, mask [B, T]."""
+    mask = mask.bool()
+    rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)  # [B, T]
+    last = (mask.sum(dim=1) - 1).clamp(min=0)  # [B] index of the last real token (right padding)
+    rows = torch.arange(len(last), device=rewards.device)
+    rewards[rows, last] += torch.clamp(score, -clip_score, clip_score).to(rewards.dtype)
+    return rewards
+
+
+def gae(values, rewards, mask, gamma, lam):
+    """Generalised Advantage Estimation (Schulman et al. 2016; note 003), backwards over tokens:
+
+        delta_t = r_t + gamma * V_{t+1} - V_t            (the value after the last token is 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        R_t     = A_t + V_t                               (the critic's target: the return)
+
+    lam = 1 gives A_t = (sum of rewards from t on) - V_t (Monte Carlo, high variance); lam = 0
+    gives the one-step TD error (low variance, biased by the critic). Values and rewards on
+    padding are treated as 0, so a row ends at its last real token. Returns (advantages, returns)
+    [B, T], detached: they are targets, not functions of the parameters."""
+    mask = mask.bool()
+    values = torch.where(mask, values, 0.0).detach()
+    rewards = torch.where(mask, rewards, 0.0).detach()
+    T = rewards.shape[1]
+    advantages = torch.zeros_like(rewards)
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+    advantages = torch.where(mask, advantages, 0.0)
+    return advantages, torch.where(mask, advantages + values, 0.0)
+
+
+def whiten(advantages, mask, eps=1e-8):
+    """(A - mean) / std over the real tokens of the batch; padding stays 0. Keeps the size of the
+    actor's update the same whatever the scale of the reward."""
+    mask = mask.bool()
+    real = advantages[mask]
+    return torch.where(mask, (advantages - real.mean()) / (real.std() + eps), 0.0)
+
+
+def masked_mean(values, mask):
+    """Mean of values over the real tokens of the whole batch (a token mean)."""
+    mask = mask.bool()
+    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
+    """PPO's clipped surrogate, as a loss (note 000's actor_loss_fn), token mean over the batch:
+
+        ratio = exp(logp - old_logp)
+        l_t   = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))
+
+    The max of the two losses is the min of the two objectives: once the ratio has moved past
+    1 + eps (A > 0) or 1 - eps (A < 0), the clipped term is the larger loss and, being constant
+    in theta, gives no gradient, so one batch cannot push the policy far (note 003's figure).
+    logprobs, old_logprobs, advantages, mask [B, T]."""
+    mask = mask.bool()
+    log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # junk on padding never reaches exp
+    ratio = torch.exp(log_ratio)
+    A = torch.where(mask, advantages, 0.0)
+    loss = torch.max(-A * ratio, -A * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
+    return masked_mean(loss, mask)
+
+
+def ppo_critic_loss(values, old_values, returns, mask, clip_value):
+    """Clipped value loss (note 000's critic_loss_fn), token mean over the batch:
+
+        v_clip = clip(v, old_v - c, old_v + c)
+        l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)
+
+    The critic is fitted to the returns R, but, like the actor, not allowed to move its values
+    further than c from those it gave when the experience was made. values, old_values, returns,
+    mask [B, T]."""
+    mask = mask.bool()
+    values = torch.where(mask, values, 0.0)
+    old_values = torch.where(mask, old_values, 0.0)
+    returns = torch.where(mask, returns, 0.0)
+    clipped = torch.clamp(values, old_values - clip_value, old_values + clip_value)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+
+
+def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
+    """Fraction of real tokens outside [lower, upper] (where the clipped term takes over)."""
+    outside = (ratio_or_values < lower) | (ratio_or_values > upper)
+    return (outside & mask.bool()).sum().item() / mask.sum().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+def main(cfg: Config):
+    if cfg.per_device_train_batch_size % cfg.num_mini_batches:
+        common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
+                    f"--num_mini_batches ({cfg.num_mini_batches})")
+    common.set_seed(cfg.seed)
+    device = common.get_device()
+
+    # data and the four models
+    train_data = common.load_split(cfg.dataset, "train")
+    test_data = common.load_split(cfg.dataset, "test")
+    if cfg.num_eval_examples:
+        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    if len(train_data) < cfg.per_device_train_batch_size:
+        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than --per_device_train_batch_size "
+                    f"({cfg.per_device_train_batch_size})")
+    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    actor.to(device).train()
+    reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    if cfg.reward_model == "rule":
+        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True)[0]  # critic: fresh value head
+    else:
+        hint = "run `python reward_model.py` first (or pass --reward_model rule)"
+        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True)[0]
+        reward_model.to(device).eval().requires_grad_(False)
+        critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
+    critic.to(device).train()
+
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
+    num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
+    schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates, cfg.min_lr_rate)
+                  for opt in (actor_optimizer, critic_optimizer)]
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
+    rng = random.Random(cfg.seed)
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="ppo", dynamic_ncols=True)
+
+    def evaluate(step):
+        scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+        common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                       f"sampled {scores['accuracy_sampled']:.1%}")
+        return scores
+
+    initial = evaluate(0)
+    for step in progress:
+        # 1. Rollout: the actor decodes one completion per prompt.
+        t0 = time.perf_counter()
+        rows = train_data[rng.sample(range(len(train_data)), cfg.per_device_train_batch_size)]
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows["question"]]
+        prompt_ids, prompt_mask, completion_ids, mask = common.generate(
+            actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+        )  # [B, P], [B, P], [B, T], [B, T]
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
+        attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]
+        T = completion_ids.shape[1]
+        t1 = time.perf_counter()
+
+        # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse.
+        with torch.no_grad():
+            old_logprobs = common.completion_logprobs(actor, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
+            ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
+            old_values = critic_values(critic, input_ids, attention_mask, T)  # [B, T]
+            if reward_model is None:
+                score = rule_scores(completions, rows["answer"]).to(device)  # [B]
+            else:
+                score = reward_scores(reward_model, input_ids, attention_mask)  # [B]
+            # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
+            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, cfg.kl_coef, cfg.clip_score)  # [B, T]
+            advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
+            if cfg.whiten_advantages:
+                advantages = whiten(advantages, mask)
+        t2 = time.perf_counter()
+
+        # 5. PPO epochs over mini-batches of the experience: actor step, then critic step.
+        time_forward = time_backward = 0.0
+        stats = {key: [] for key in ("actor_loss", "critic_loss", "actor_clip", "critic_clip", "entropy")}
+        for _ in range(cfg.num_ppo_epochs):
+            for idx in torch.randperm(len(prompts)).chunk(cfg.num_mini_batches):
+                t3 = time.perf_counter()
+                logprobs, entropy = common.completion_logprobs(
+                    actor, input_ids[idx], attention_mask[idx], T, cfg.temperature, with_entropy=True)  # [b, T]
+                actor_loss = ppo_actor_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
+                values = critic_values(critic, input_ids[idx], attention_mask[idx], T)  # [b, T]
+                critic_loss = ppo_critic_loss(values, old_values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                t4 = time.perf_counter()
+                for loss, model, optimizer in ((actor_loss, actor, actor_optimizer), (critic_loss, critic, critic_optimizer)):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    optimizer.step()
+                for scheduler in schedulers:
+                    scheduler.step()
+                time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
+                with torch.no_grad():
+                    ratio = torch.exp(torch.where(mask[idx].bool(), logprobs - old_logprobs[idx], 0.0))
+                    stats["actor_loss"].append(actor_loss.item())
+                    stats["critic_loss"].append(critic_loss.item())
+                    stats["actor_clip"].append(clip_fraction(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange, mask[idx]))
+                    stats["critic_clip"].append(clip_fraction(values - old_values[idx], -cfg.cliprange_value,
+                                                              cfg.cliprange_value, mask[idx]))
+                    stats["entropy"].append(masked_mean(entropy, mask[idx]).item())
+
+        # 6. Logging: the reward model's score and, on the same completions, the rule-based truth.
+        with torch.no_grad():
+            kl = torch.where(mask.bool(), old_logprobs - ref_logprobs, 0.0).sum(dim=1).mean().item()
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        metrics = {
+            "step": step,
+            "score": score.mean().item(),
+            "accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, rows["answer"])]),
+            "kl": kl,  # sum over a completion's tokens of log pi/pi_ref, mean over completions
+            "loss/actor": mean(stats["actor_loss"]),
+            "loss/critic": mean(stats["critic_loss"]),
+            "clip_fraction/actor": mean(stats["actor_clip"]),
+            "clip_fraction/critic": mean(stats["critic_clip"]),
+            "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
+            "entropy": mean(stats["entropy"]),
+            "completion_length": mask.sum(dim=1).float().mean().item(),
+            "learning_rate": schedulers[0].get_last_lr()[0],
+            "time/generation": t1 - t0,
+            "time/logprobs": t2 - t1 + time_forward,  # the inference passes + the training forward passes
+            "time/backward": time_backward,
+        }
+        common.log_metrics(cfg.output_dir, metrics)
+        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.2f}")
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            scores = evaluate(step)
+            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
+
+    common.save_checkpoint(actor, tokenizer, cfg.output_dir)
+    os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)
+    common.save_checkpoint(critic, tokenizer, os.path.join(cfg.output_dir, "critic"))
+    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    png = common.plot_metrics(
+        cfg.output_dir,
+        {"reward model score": ["score"], "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
+         "kl to reference": ["kl"], "losses": ["loss/actor", "loss/critic"]},
+        "PPO",
+    )
+    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

@@ -1,0 +1,242 @@
+"""Stage 2 of RLHF: a reward model trained on preference pairs (note 000, DeepSpeed-Chat step 2).
+
+The SFT transformer with its LM head swapped for a linear N -> 1 head reads (prompt, response)
+and outputs one number per token; the reward r(x, y) is the number at the response's last real
+token (EOS). Trained on pairs (prompt, chosen, rejected) so that chosen outscores rejected:
+
+    loss = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))      (Bradley-Terry)
+
+    python reward_model.py                                # out/sft + data/preference -> out/rm
+    python reward_model.py --dataset Dahoas/rm-static --model out/sft_qwen
+
+The shipped pairs (data/make_data.py) have a right answer as chosen and a plausible mistake as
+rejected: a forgotten carry, a slipped digit, a final number that does not follow the reasoning,
+a broken format. ppo.py then uses this model as its frozen reward and to initialise its critic.
+"""
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Config:
+    model: str = "out/sft"
+    """transformer to start from (its LM head is replaced by a scalar head): sft.py's output or a hub id"""
+    dataset: str = "data/preference"
+    """a folder with train.jsonl / test.jsonl of prompt / chosen / rejected, or a hub dataset (Dahoas/rm-static)"""
+    output_dir: str = "out/rm"
+    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    system_prompt: str = ""
+    """optional system message before each prompt (use the same as for sft.py and ppo.py)"""
+    max_steps: int = 300
+    """optimizer steps"""
+    per_device_train_batch_size: int = 32
+    """preference pairs per step (each pair is two sequences)"""
+    learning_rate: float = 3e-4
+    """peak learning rate of AdamW"""
+    warmup_steps: int = 20
+    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
+    min_lr_rate: float = 0.1
+    """the cosine ends at min_lr_rate * learning_rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    policy_prompts: int = 500
+    """prompts on which the --model policy samples answers that the checker labels, for extra pairs
+    (0 = the shipped pairs only; needs <answer> tags in the chosen answers)"""
+    samples_per_prompt: int = 8
+    """policy samples per prompt; each wrong one is paired with a right one"""
+    max_completion_length: int = 64
+    """max new tokens of a policy sample"""
+    max_length: int = 128
+    """pairs whose prompt + response is longer than this many tokens are dropped"""
+    eval_steps: int = 100
+    """evaluate held-out pairwise accuracy every this many steps"""
+    num_eval_examples: int = 500
+    """held-out pairs per evaluation (0 = the whole test split)"""
+    logging_steps: int = 10
+    """write a metrics.jsonl line every this many steps"""
+    seed: int = 0
+    """random seed"""
+
+
+def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """Pairwise (Bradley-Terry) loss of note 000: -log sigmoid(r_chosen - r_rejected), mean over pairs.
+
+    chosen_scores, rejected_scores [B]. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
+    this is the negative log-likelihood of the human's choice. Only differences of scores matter."""
+    return -F.logsigmoid(chosen_scores - rejected_scores).mean()
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """r(x, y) [B]: the scalar head on the hidden state of each row's last real token (the EOS).
+
+    input_ids, attention_mask [B, L] laid out as [left-padded prompt | right-padded response].
+    Every position gets a hidden state, but only the last real one has read the whole answer."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
+    return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [B]
+
+
+@torch.no_grad()
+def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_tokens: int, system_prompt: str) -> dict:
+    """Preference pairs from the policy's own samples, labelled by the rule-based checker.
+
+    Note 000: a reward model's data are answers of the models being trained, ranked by people.
+    Synthetic mistakes teach it the mistakes we thought of; the policy's samples show it the ones
+    PPO will actually produce (and push on). For each prompt, every sample whose <answer> is not
+    the chosen answer's number (or whose format is broken) becomes a rejected answer, paired
+    with a right sample, or with the dataset's chosen answer if the policy got none right."""
+    policy.eval()
+    pairs = {"prompt": [], "chosen": [], "rejected": []}
+    for start in range(0, len(data), 64):
+        rows = data[start : start + 64]
+        prompts = [common.make_prompt(tokenizer, p, system_prompt) for p in rows["prompt"] for _ in range(samples_per_prompt)]
+        *_, completion_ids, _ = common.generate(policy, tokenizer, prompts, max_new_tokens)
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        for i, (prompt, chosen) in enumerate(zip(rows["prompt"], rows["chosen"])):
+            gold = common.extract_answer(chosen)
+            samples = texts[i * samples_per_prompt : (i + 1) * samples_per_prompt]
+            right = [t for t in samples if common.same_number(common.extract_answer(t), gold) and t.strip().endswith("</answer>")]
+            for wrong in dict.fromkeys(t for t in samples if t not in right):  # distinct wrong samples
+                pairs["prompt"].append(prompt)
+                pairs["chosen"].append(right[0] if right else chosen)
+                pairs["rejected"].append(wrong)
+    return pairs
+
+
+def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int):
+    """Each row -> (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs are dropped."""
+    pairs = []
+    for prompt, chosen, rejected in zip(data["prompt"], data["chosen"], data["rejected"]):
+        prompt_ids = tokenizer(common.make_prompt(tokenizer, prompt, system_prompt), add_special_tokens=False)["input_ids"]
+        chosen_ids, rejected_ids = (tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for r in (chosen, rejected))
+        if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) <= max_length:
+            pairs.append((prompt_ids, chosen_ids, rejected_ids))
+    return pairs
+
+
+def collate(pairs, pad_id: int):
+    """2B sequences, the B chosen then the B rejected, as [left-padded prompt | right-padded response].
+
+    Returns input_ids [2B, P+T], attention_mask [2B, P+T]."""
+    prompts = [p for p, _, _ in pairs] * 2
+    responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    prompt_ids, prompt_mask = common.pad_left(prompts, pad_id)
+    response_ids, response_mask = common.pad_right(responses, pad_id)
+    return torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
+
+
+@torch.no_grad()
+def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
+    """Held-out pairwise accuracy (how often r(chosen) > r(rejected)) and the mean margin."""
+    model.eval()
+    margins = []
+    for start in range(0, len(pairs), batch_size):
+        batch = pairs[start : start + batch_size]
+        input_ids, attention_mask = collate(batch, pad_id)
+        chosen, rejected = sequence_scores(model, input_ids.to(model.device), attention_mask.to(model.device)).chunk(2)
+        margins.append(chosen - rejected)
+    model.train()
+    margins = torch.cat(margins)
+    return {"pairwise_accuracy": (margins > 0).float().mean().item(), "margin": margins.mean().item(), "n": len(pairs)}
+
+
+def main(cfg: Config):
+    common.set_seed(cfg.seed)
+    device = common.get_device()
+    columns = ("prompt", "chosen", "rejected")
+    train_data = common.load_split(cfg.dataset, "train", columns)
+    test_data = common.load_split(cfg.dataset, "test", columns)
+    if cfg.num_eval_examples:
+        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+
+    # The SFT model with a fresh N -> 1 head in place of its LM head.
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.to(device).train()
+    train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
+    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)
+    if not train_pairs or not test_pairs:
+        common.fail(f"no preference pair in {cfg.dataset} fits in --max_length {cfg.max_length}")
+    # Extra pairs from the policy's own samples: for training (train prompts), and a held-out set
+    # (test prompts) that measures what PPO needs: does the RM rank *this policy's* answers right?
+    policy_test_pairs, num_shipped = [], len(train_pairs)
+    if cfg.policy_prompts:
+        if common.extract_answer(train_data[0]["chosen"]) is None:
+            common.fail(f"--policy_prompts needs chosen answers with <answer> tags, and {cfg.dataset} has none: "
+                        "pass --policy_prompts 0")
+        policy = common.load_model(cfg.model)[0].to(device)
+        train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
+        extra = policy_pairs(policy, tokenizer, train_prompts, cfg.samples_per_prompt, cfg.max_completion_length, cfg.system_prompt)
+        held_out = policy_pairs(policy, tokenizer, test_data, 2, cfg.max_completion_length, cfg.system_prompt)
+        del policy
+        train_pairs += tokenize_pairs(tokenizer, extra, cfg.system_prompt, cfg.max_length)
+        policy_test_pairs = tokenize_pairs(tokenizer, held_out, cfg.system_prompt, cfg.max_length)
+    print(f"reward model: {len(train_pairs)} training pairs ({len(train_pairs) - num_shipped} from the policy), "
+          f"{len(test_pairs)} held-out pairs (+{len(policy_test_pairs)} from the policy), device {device}")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
+    rng = random.Random(cfg.seed)
+
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="reward model", dynamic_ncols=True)
+    for step in progress:
+        t0 = time.perf_counter()
+        input_ids, attention_mask = collate(rng.sample(train_pairs, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
+        chosen_scores, rejected_scores = sequence_scores(model, input_ids.to(device), attention_mask.to(device)).chunk(2)  # [B], [B]
+        loss = preference_loss(chosen_scores, rejected_scores)
+        t1 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+
+        metrics = {}
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            margins = (chosen_scores - rejected_scores).detach()
+            metrics = {"step": step, "loss": loss.item(), "accuracy": (margins > 0).float().mean().item(),
+                       "margin": margins.mean().item(), "score/chosen": chosen_scores.mean().item(),
+                       "score/rejected": rejected_scores.mean().item(), "grad_norm": grad_norm.item(),
+                       "learning_rate": scheduler.get_last_lr()[0],
+                       "time/forward": t1 - t0, "time/backward": time.perf_counter() - t1}
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            scores = evaluate(model, test_pairs, tokenizer.pad_token_id)
+            metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"], "eval/margin": scores["margin"]})
+            message = f"step {step}: held-out pairwise accuracy {scores['pairwise_accuracy']:.1%}, margin {scores['margin']:.2f}"
+            if policy_test_pairs:
+                on_policy = evaluate(model, policy_test_pairs, tokenizer.pad_token_id)
+                scores["policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
+                metrics["eval/policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
+                message += f"; on the policy's own samples {on_policy['pairwise_accuracy']:.1%}"
+            progress.write(message)
+        if metrics:
+            common.log_metrics(cfg.output_dir, metrics)
+
+    common.save_checkpoint(model, tokenizer, cfg.output_dir)
+    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    png = common.plot_metrics(
+        cfg.output_dir,
+        {"loss": ["loss"], "pairwise accuracy": ["accuracy", "eval/pairwise_accuracy", "eval/policy_pairwise_accuracy"],
+         "scores": ["score/chosen", "score/rejected"]},
+        "Reward model",
+    )
+    print(f"saved reward model to {cfg.output_dir}; held-out pairwise accuracy {scores['pairwise_accuracy']:.1%} "
+          f"(n={scores['n']}); curves in {png}")
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

@@ -1,0 +1,91 @@
+"""reward_model.py and ppo.py end to end, by subprocess with tiny settings."""
+import json
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+import ppo
+import reward_model
+from conftest import ROOT, read_metrics, run
+
+
+@pytest.fixture(scope="session")
+def rm_checkpoint(sft_checkpoint, tmp_path_factory):
+    """A short reward-model run on the shipped pairs, from the short SFT checkpoint."""
+    out = str(tmp_path_factory.mktemp("rm"))
+    run("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "60",
+        "--learning_rate", "1e-3", "--warmup_steps", "5", "--eval_steps", "30", "--num_eval_examples", "128",
+        "--policy_prompts", "64", "--samples_per_prompt", "4")
+    return out
+
+
+def test_reward_model_learns_and_writes_its_outputs(rm_checkpoint):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json", "reward_model.png"):
+        assert os.path.isfile(os.path.join(rm_checkpoint, name)), name
+    with open(os.path.join(rm_checkpoint, "eval.json")) as f:
+        scores = json.load(f)
+    assert set(scores) == {"pairwise_accuracy", "margin", "n", "policy_pairwise_accuracy"} and scores["n"] == 128
+    assert scores["pairwise_accuracy"] > 0.6 and scores["margin"] > 0  # chance is 0.5
+    losses = [row["loss"] for row in read_metrics(rm_checkpoint) if "loss" in row]
+    assert losses[-1] < losses[0]
+
+
+def _fixed_problems(tmp_path, n=8):
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(os.path.join(ROOT, "data", "arithmetic", "train.jsonl")) as f:
+        rows = f.readlines()[:n]
+    (data / "train.jsonl").write_text("".join(rows))
+    (data / "test.jsonl").write_text("".join(rows))
+    return str(data)
+
+
+def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoint, rm_checkpoint, tmp_path):
+    out = str(tmp_path / "ppo")
+    run("ppo.py", "--model", sft_checkpoint, "--reward_model", rm_checkpoint, "--dataset", _fixed_problems(tmp_path, 32),
+        "--output_dir", out, "--max_steps", "20", "--per_device_train_batch_size", "32", "--learning_rate", "1e-4",
+        "--warmup_steps", "2", "--eval_steps", "100")
+    rows = [row for row in read_metrics(out) if "score" in row]
+    assert len(rows) == 20
+    first, last = sum(r["score"] for r in rows[:5]) / 5, sum(r["score"] for r in rows[-5:]) / 5
+    assert last > first, (first, last)
+    for key in ("accuracy", "kl", "loss/actor", "loss/critic", "clip_fraction/actor", "clip_fraction/critic",
+                "value_error", "entropy", "completion_length", "time/generation", "time/logprobs", "time/backward"):
+        assert key in rows[0], key
+    assert os.path.isfile(os.path.join(out, "ppo.png"))
+    # a PPO step changed every tensor of the actor (from the SFT model) and of the critic (from the RM)
+    for start, end in ((sft_checkpoint, out), (rm_checkpoint, os.path.join(out, "critic"))):
+        before, after = (load_file(os.path.join(d, "model.safetensors")) for d in (start, end))
+        assert before.keys() == after.keys()
+        assert all(not (before[k] == after[k]).all() for k in before), start
+
+
+def test_ppo_with_several_epochs_and_mini_batches_and_the_rule_reward(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "ppo")
+    run("ppo.py", "--model", sft_checkpoint, "--reward_model", "rule", "--output_dir", out, "--max_steps", "2",
+        "--per_device_train_batch_size", "16", "--num_ppo_epochs", "2", "--num_mini_batches", "2",
+        "--whiten_advantages", "false", "--eval_steps", "100", "--num_eval_examples", "8")
+    rows = [row for row in read_metrics(out) if "score" in row]
+    assert len(rows) == 2 and all(-1 <= row["score"] <= 1 for row in rows)  # the mean of +-1 scores
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/sft"], "run `python sft.py` first"),
+    (["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
+])
+def test_ppo_missing_checkpoints_say_what_to_run(sft_checkpoint, tmp_path, args, message):
+    result = run("ppo.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path), *args, check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_reward_model_without_sft_checkpoint_says_what_to_run(tmp_path):
+    result = run("reward_model.py", "--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o"), check=False)
+    assert result.returncode != 0 and "run `python sft.py` first" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("script, config", [("reward_model.py", reward_model.Config), ("ppo.py", ppo.Config)])
+def test_help_documents_every_field(script, config):
+    help_text = run(script, "--help").stdout
+    for field in config.__dataclass_fields__:
+        assert f"--{field}" in help_text
