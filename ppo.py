@@ -42,9 +42,9 @@ class Config:
     """where the actor checkpoint (critic in critic/), metrics.jsonl, eval.json and the PNG go"""
     system_prompt: str = ""
     """optional system message before each question (use the same as for sft.py)"""
-    max_steps: int = 150
+    max_steps: int = 80
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
-    per_device_train_batch_size: int = 64
+    per_device_train_batch_size: int = 128
     """prompts per step, one completion each"""
     num_mini_batches: int = 1
     """mini-batches the experience is split into, per PPO epoch"""
@@ -54,7 +54,7 @@ class Config:
     """max new tokens per completion"""
     temperature: float = 1.0
     """sampling temperature of the rollout"""
-    kl_coef: float = 0.05
+    kl_coef: float = 0.1
     """beta of the per-token KL reward -beta * (logp - ref_logp)"""
     clip_score: float = 5.0
     """the reward model's score is clamped to [-clip_score, clip_score] (DeepSpeed-Chat's clip_reward_value)"""
@@ -68,7 +68,7 @@ class Config:
     """lambda of GAE: 0 = one-step TD error, 1 = Monte Carlo return minus value"""
     whiten_advantages: bool = True
     """normalise the advantages of each batch to mean 0, std 1 over the real tokens"""
-    learning_rate: float = 3e-5
+    learning_rate: float = 2e-5
     """peak learning rate of the actor's AdamW"""
     critic_learning_rate: float = 1e-4
     """peak learning rate of the critic's AdamW"""
@@ -78,7 +78,7 @@ class Config:
     """the cosine ends at min_lr_rate * learning rate"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic separately)"""
-    eval_steps: int = 50
+    eval_steps: int = 40
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""

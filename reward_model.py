@@ -39,7 +39,7 @@ class Config:
     """optimizer steps"""
     per_device_train_batch_size: int = 32
     """preference pairs per step (each pair is two sequences)"""
-    learning_rate: float = 3e-4
+    learning_rate: float = 6e-4
     """peak learning rate of AdamW"""
     warmup_steps: int = 20
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
