@@ -361,6 +361,13 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     return logprobs, entropy
 
 
+def last_hidden_states(model, input_ids, attention_mask):
+    """The transformer's last hidden states [B, L, H], without the head (reward model, critic).
+    Position ids count real tokens only, as in completion_logprobs, so left padding changes nothing."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+
+
 # ---------------------------------------------------------------------------------------------
 # Held-out evaluation: exact-match accuracy, greedy and sampled
 # ---------------------------------------------------------------------------------------------

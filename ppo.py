@@ -89,19 +89,13 @@ class Config:
 # ---------------------------------------------------------------------------------------------
 # Inference: values from the critic, scores from the reward model (prefill only)
 # ---------------------------------------------------------------------------------------------
-def hidden_states(model, input_ids, attention_mask):
-    """The transformer's last hidden states [B, L, H] (no LM head), with left-padding positions."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-
-
 def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int):
     """V(s_t) [B, T]: the critic's value of the state in which completion token t is chosen.
 
     That state is everything before token t, whose last position is the one that predicts t (note
     003): the first state ends at the prompt's last token, the last at the token before the last
     one. So, like the log-probs, the values come from positions P-1 .. P+T-2."""
-    hidden = hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]  # [B, T, H]
+    hidden = common.last_hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]  # [B, T, H]
     return critic.score(hidden).squeeze(-1)
 
 
@@ -109,7 +103,7 @@ def reward_scores(reward_model, input_ids, attention_mask):
     """r(x, y) [B]: the reward model's score at each sequence's last real token, the EOS (note 003:
     an outcome reward model computes a score at every position, only the EOS one is used).
     The same as reward_model.sequence_scores."""
-    hidden = hidden_states(reward_model, input_ids, attention_mask)
+    hidden = common.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
 
@@ -287,6 +281,8 @@ def main(cfg: Config):
 
         # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse.
         with torch.no_grad():
+            # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
+            # stays even with one epoch and one mini-batch (where the training pass recomputes them).
             old_logprobs = common.completion_logprobs(actor, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
             ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
             old_values = critic_values(critic, input_ids, attention_mask, T)  # [B, T]

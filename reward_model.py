@@ -81,8 +81,7 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     input_ids, attention_mask [B, L] laid out as [left-padded prompt | right-padded response].
     Every position gets a hidden state, but only the last real one has read the whole answer."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    hidden = common.last_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [B]
 
