@@ -201,16 +201,27 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
         path = os.path.join(dataset, f"{split}.jsonl")
         if not os.path.isfile(path):
             fail(f"dataset folder {dataset} has no {split}.jsonl")
-        try:
-            data = datasets.load_dataset("json", data_files=path, split="train")
-        except Exception:  # the json reader's own error does not say where: find the line
-            _fail_on_bad_jsonl_line(path)
-    else:
-        try:
-            data = datasets.load_dataset(dataset, config_name, split=split)
-        except Exception as error:
-            fail(f"could not load dataset {dataset!r} split {split!r} ({str(error).splitlines()[0]})")
-        path = dataset
+        return load_jsonl(path, columns)
+    try:
+        data = datasets.load_dataset(dataset, config_name, split=split)
+    except Exception as error:
+        fail(f"could not load dataset {dataset!r} split {split!r} ({str(error).splitlines()[0]})")
+    return _check_rows(data, dataset, columns)
+
+
+def load_jsonl(path: str, columns=()):
+    """A local .jsonl file (one JSON object per line) as a datasets.Dataset. A missing or empty
+    file, a line that is not a JSON object, or a missing column is one clear sentence."""
+    if not os.path.isfile(path):
+        fail(f"no data file {path}")
+    try:
+        data = datasets.load_dataset("json", data_files=path, split="train")
+    except Exception:  # the json reader's own error does not say where: find the line
+        _fail_on_bad_jsonl_line(path)
+    return _check_rows(data, path, columns)
+
+
+def _check_rows(data, path: str, columns):
     if len(data) == 0:
         fail(f"{path} is empty")
     for column in columns:

@@ -14,9 +14,11 @@ Two folders, as in a real RLHF pipeline where demonstrations and RL prompts are 
     data/arithmetic/  problems with their true answers: RL prompts and the reward's ground truth.
     data/preference/  reward-model pairs in Dahoas/rm-static's schema (prompt, chosen, rejected):
                       chosen is right, rejected a plausible mistake (see make_pair).
+    data/expert.jsonl MIX's expert data (note 001): correct worked solutions, as a strong model
+                      would write them, in the chat `messages` format (see expert_row).
 
-All hold train.jsonl and a held-out test.jsonl on the same test problems; no problem appears in
-two of {demos train, arithmetic train, preference train, test}.
+The folders hold train.jsonl and a held-out test.jsonl on the same test problems; no problem
+appears in two of {demos train, arithmetic train, preference train, expert, test}.
 
     python data/make_data.py                          # the shipped set: 2-digit + and -
     python data/make_data.py --digits 3               # harder: 3-digit operands
@@ -100,6 +102,14 @@ def completion(reasoning: str, result) -> str:
     return f"<think>{reasoning}</think><answer>{result}</answer>"
 
 
+def expert_row(a: int, op: str, b: int) -> dict:
+    """One expert demonstration in note 001's chat format: the user's question and the assistant's
+    correct worked answer. There is no system message because the tiny model's prompts have none;
+    a file for a hub model would start each row with {"role": "system", "content": ...}."""
+    return {"messages": [{"role": "user", "content": f"What is {a} {op} {b}?"},
+                         {"role": "assistant", "content": completion(*solve(a, op, b))}]}
+
+
 REJECTED_KINDS = {"careless": 0.35, "digit": 0.25, "final": 0.25, "format": 0.15}
 
 
@@ -157,9 +167,10 @@ def main():
     p.add_argument("--n_demos", type=int, default=6000, help="SFT demonstrations (data/demos/train.jsonl)")
     p.add_argument("--n_train", type=int, default=4000, help="RL problems (data/arithmetic/train.jsonl)")
     p.add_argument("--n_pairs", type=int, default=3000, help="reward-model pairs (data/preference/train.jsonl)")
+    p.add_argument("--n_expert", type=int, default=2000, help="MIX expert demonstrations (data/expert.jsonl)")
     p.add_argument("--n_test", type=int, default=500, help="held-out test problems (both folders' test.jsonl)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder for demos/ and arithmetic/")
+    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder for demos/, arithmetic/, preference/ and expert.jsonl")
     args = p.parse_args()
     if not set(args.ops) <= set("+-") or not args.ops:
         p.error("--ops takes a non-empty mix of '+' and '-'")
@@ -168,11 +179,11 @@ def main():
 
     problems = all_problems(args.digits, args.ops)
     random.Random(args.seed).shuffle(problems)
-    sizes = [args.n_test, args.n_demos, args.n_train, args.n_pairs]
+    sizes = [args.n_test, args.n_demos, args.n_train, args.n_pairs, args.n_expert]
     if sum(sizes) > len(problems):
         p.error(f"only {len(problems)} distinct problems exist for --digits {args.digits} --ops {args.ops}")
     ends = [sum(sizes[: i + 1]) for i in range(len(sizes))]
-    test, demos, train, pairs = (problems[end - size : end] for size, end in zip(sizes, ends))
+    test, demos, train, pairs, expert = (problems[end - size : end] for size, end in zip(sizes, ends))
 
     slips = random.Random(args.seed + 1)
     test_rows = [make_row(a, op, b) for a, op, b in test]
@@ -186,6 +197,7 @@ def main():
     draw = lambda: kinds.choices(list(REJECTED_KINDS), weights=list(REJECTED_KINDS.values()))[0]  # noqa: E731
     write_jsonl(os.path.join(args.out, "preference", "train.jsonl"), [make_pair(*abc, draw(), kinds) for abc in pairs])
     write_jsonl(os.path.join(args.out, "preference", "test.jsonl"), [make_pair(*abc, draw(), kinds) for abc in test])
+    write_jsonl(os.path.join(args.out, "expert.jsonl"), [expert_row(a, op, b) for a, op, b in expert])
 
 
 if __name__ == "__main__":

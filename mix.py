@@ -1,0 +1,431 @@
+"""MIX: GRPO plus an SFT term on expert data (Trinity-RFT's MIX algorithm), note 001.
+
+grpo.py, plus one idea: part of every batch is expert data, answers a stronger model wrote,
+and the policy is also trained to imitate them. The objective (note 001) is
+
+    J_MIX = (1 - mu) * J_GRPO(usual rows) + mu * (mean log-likelihood of the expert answers)
+
+This file is grpo.py with the expert term added; `diff grpo.py mix.py` shows exactly what MIX adds.
+
+    python sft.py && python mix.py                       # tiny model from out/sft -> out/mix
+    python mix.py --mu 0 --expert_data_ratio 0           # plain GRPO again
+    python mix.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --expert_dataset expert.jsonl \\
+        --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
+
+One training step:
+  1. rollout: B prompts x G samples each          completion_ids, completion_mask  [B*G, T]
+  2. rewards: sum of the reward functions         rewards      [B*G]
+  3. advantages: (r - group mean) / (group std)   advantages   [B*G]
+  3b. expert rows: E expert answers join the batch, expert_mask marks them     [B*G + E]
+  4. inference: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
+  5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows)
+"""
+import copy
+import math
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import common
+
+
+@dataclass
+class Config:
+    model: str = "out/sft"
+    """policy to start from: a folder written by sft.py, or a hub id"""
+    dataset: str = "data/arithmetic"
+    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
+    output_dir: str = "out/mix"
+    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    system_prompt: str = ""
+    """optional system message before each question (a hub model needs the format explained)"""
+    expert_dataset: str = "data/expert.jsonl"
+    """expert data: a jsonl file of chat `messages` (system / user / assistant), the last one the expert's answer"""
+    mu: float = 0.1
+    """weight of the SFT term on expert rows: loss = (1 - mu) * GRPO loss + mu * SFT loss"""
+    expert_data_ratio: float = 0.25
+    """share of each batch's rows that are expert data (Trinity rounds the expert count up)"""
+    max_steps: int = 120
+    """training steps (each: one rollout batch, then num_iterations updates)"""
+    num_generations: int = 8
+    """G: completions sampled per prompt (the group)"""
+    per_device_train_batch_size: int = 128
+    """rows per step: usual rows (prompts per step x num_generations) + expert rows"""
+    max_completion_length: int = 64
+    """max new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature of the rollout"""
+    num_iterations: int = 1
+    """gradient steps per rollout batch (mu in the GRPO paper); > 1 needs the old log-probs"""
+    epsilon: float = 0.2
+    """clip range of the ratio pi/pi_old"""
+    beta: float = 0.04
+    """weight of the KL penalty to the reference policy (0 = no reference model)"""
+    loss_type: str = "grpo"
+    """'grpo': mean over each sequence's tokens, then over sequences; 'dapo': mean over all tokens"""
+    learning_rate: float = 5e-5
+    """peak learning rate of AdamW"""
+    warmup_steps: int = 10
+    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
+    min_lr_rate: float = 0.1
+    """the cosine ends at min_lr_rate * learning_rate"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    eval_steps: int = 40
+    """evaluate held-out accuracy every this many steps"""
+    num_eval_examples: int = 500
+    """held-out problems per evaluation (0 = the whole test split)"""
+    seed: int = 0
+    """random seed"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
+# as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
+# ---------------------------------------------------------------------------------------------
+def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
+    return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
+
+
+FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """+1.25 if the completion is exactly <think>...</think><answer>...</answer>, else -1."""
+    return [1.25 if FORMAT.match(completion.strip()) else -1.0 for completion in completions]
+
+
+REWARD_FUNCS = [correctness_reward, format_reward]
+
+
+# ---------------------------------------------------------------------------------------------
+# The math of GRPO
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for each completion i (note 004).
+
+    rewards [B*G], the G completions of a prompt contiguous; std is the unbiased one (torch's
+    default, as TRL). The group mean is the baseline a critic would otherwise learn. A group
+    whose completions all score the same gives 0 advantage: no signal from that prompt."""
+    grouped = rewards.view(-1, group_size)  # [B, G]
+    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'):
+
+        k3 = exp(ref - logp) - (ref - logp) - 1
+
+    unbiased for tokens sampled from pi, and >= 0 everywhere. [B, T] -> [B, T]."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo"):
+    """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
+
+        ratio = exp(logp - old_logp)            (pi_theta / pi_old)
+        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i) - beta * k3_t )
+
+    then aggregated over the real tokens (mask) in one of two ways:
+      'grpo' (DeepSeekMath, TRL's loss_type="grpo"): mean over each sequence's tokens, then mean
+             over sequences; every completion weighs the same, so a token of a long completion
+             weighs less than one of a short completion.
+      'dapo' (DAPO / BNPO, TRL's default today): one mean over all tokens of the batch; every
+             token weighs the same, which removes that length bias.
+
+    logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. With a single update
+    per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
+    logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
+    when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
+    """
+    mask = mask.bool()
+    # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
+    logprobs = torch.where(mask, logprobs, 0.0)
+    old_logprobs = torch.where(mask, old_logprobs, 0.0)
+    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    A = advantages.unsqueeze(1)  # [B, 1]
+    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * A)  # [B, T]
+    if beta != 0:
+        per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
+    per_token = torch.where(mask, per_token, 0.0)
+    if loss_type == "grpo":
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if loss_type == "dapo":
+        return per_token.sum() / mask.sum().clamp(min=1)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each row's real tokens, then over rows (how TRL reports kl)."""
+    mask = mask.to(values.dtype)
+    return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+
+
+def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps) -> float:
+    """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    A = advantages.unsqueeze(1)
+    clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
+    return (clipped & mask.bool()).sum().item() / mask.sum().item()
+
+
+# ---------------------------------------------------------------------------------------------
+# What MIX adds (note 001): expert data, the SFT term, and the mixed loss
+# ---------------------------------------------------------------------------------------------
+def load_expert_examples(path: str, tokenizer, max_completion_length: int):
+    """Expert data, one chat per jsonl line: {"messages": [system?, user, ..., assistant]}
+    -> a list of (prompt token ids, answer token ids ending in EOS).
+
+    The prompt is the chat template applied to every message before the last, ending where the
+    assistant's turn starts, exactly as a rollout prompt ends; the answer is the last message,
+    the expert's, plus EOS. Answers longer than max_completion_length tokens are dropped."""
+    data = common.load_jsonl(path, columns=("messages",))
+    examples = []
+    for line, messages in enumerate(data["messages"], 1):
+        if not messages or messages[-1].get("role") != "assistant":
+            common.fail(f"{path} line {line} does not end with an assistant message (the expert's answer)")
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(messages[-1]["content"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        if len(answer_ids) <= max_completion_length:
+            examples.append((prompt_ids, answer_ids))
+    if not examples:
+        common.fail(f"no expert answer in {path} fits in --max_completion_length {max_completion_length}")
+    return examples
+
+
+def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, rows, pad_id: int):
+    """Stack `rows` (a list of (prompt ids, answer ids)) under a rollout batch, in its layout
+    [left-padded prompt | right-padded completion]; both parts widen to fit the longer one.
+
+    [N, P], [N, P], [N, T], [N, T] -> [N+E, P'], [N+E, P'], [N+E, T'], [N+E, T']"""
+    if not rows:
+        return prompt_ids, prompt_mask, completion_ids, completion_mask
+    device = prompt_ids.device
+    new_prompt_ids, new_prompt_mask = (x.to(device) for x in common.pad_left([p for p, _ in rows], pad_id))  # [E, P2]
+    new_ids, new_mask = (x.to(device) for x in common.pad_right([a for _, a in rows], pad_id))  # [E, T2]
+    P, T = max(prompt_ids.shape[1], new_prompt_ids.shape[1]), max(completion_ids.shape[1], new_ids.shape[1])
+    left = lambda x, value: F.pad(x, (P - x.shape[1], 0), value=value)  # noqa: E731  pad on the left to width P
+    right = lambda x, value: F.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731  pad on the right to width T
+    return (torch.cat([left(prompt_ids, pad_id), left(new_prompt_ids, pad_id)]),
+            torch.cat([left(prompt_mask, 0), left(new_prompt_mask, 0)]),
+            torch.cat([right(completion_ids, pad_id), right(new_ids, pad_id)]),
+            torch.cat([right(completion_mask, 0), right(new_mask, 0)]))
+
+
+def sft_loss(logprobs, mask, loss_type="grpo"):
+    """Note 001's auxiliary objective as a loss: the negative log-likelihood of the expert tokens.
+
+        'grpo': -(1/B') sum_b (1/T'_b) sum_t log pi(o'_bt | q'_b, o'_b<t)   mean per answer, then
+                over answers (note 001's formula)
+        'dapo': -sum_bt log pi(o'_bt | ...) / sum_b T'_b                   one mean over all tokens
+                (sft.py's sft_loss; the note's example config, sft_loss_agg_mode "token-mean")
+
+    logprobs, mask [B', T]: the expert rows only. Padding never counts, whatever it holds."""
+    mask = mask.bool()
+    nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
+    if loss_type == "grpo":
+        return (nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if loss_type == "dapo":
+        return nll.sum() / mask.sum().clamp(min=1)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo"):
+    """MIX's objective (note 001), as a loss to minimise:
+
+        loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
+
+    expert_mask [B] (bool) routes each row. A usual row (False) is a rollout of the policy: the
+    clipped ratio times its group advantage, plus the KL penalty. An expert row (True) is an
+    expert's answer, never sampled from pi: only its negative log-likelihood counts (no
+    advantage, no ratio, and no KL, since k3 estimates KL(pi || pi_ref) only on tokens pi sampled).
+    A term with no rows is 0. logprobs, old_logprobs, ref_logprobs, mask [B, T]; advantages [B].
+
+    Conventions, where the sources differ:
+      - Note 001 writes (1 - mu) * J_GRPO + mu * J_SFT, and Trinity's MIXPolicyLossFn computes the
+        same (1 - mu) form. Written as J_GRPO + m * J_SFT instead, it is the same loss with
+        m = mu / (1 - mu), times 1 / (1 - mu) (which AdamW mostly absorbs).
+      - The note's formula averages the SFT term per answer, then over answers, while its example
+        config sets sft_loss_agg_mode "token-mean". `loss_type` picks one rule for both terms:
+        'grpo' per sequence (the formula), 'dapo' one token mean (the config).
+      - Trinity scales each term by its rows' share of a micro-batch, so that accumulating
+        micro-batches gives the mean over the whole batch; in one pass over the batch that is 1.
+    """
+    usual = ~expert_mask
+    grpo_term = sft_term = logprobs.new_zeros(())
+    if usual.any():
+        ref = ref_logprobs[usual] if ref_logprobs is not None else None
+        grpo_term = grpo_loss(logprobs[usual], old_logprobs[usual], ref, advantages[usual], mask[usual],
+                              clip_eps, beta, loss_type)
+    if expert_mask.any():
+        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type)
+    return (1 - mu) * grpo_term + mu * sft_term
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+def main(cfg: Config):
+    if cfg.num_generations < 2:
+        common.fail("--num_generations must be at least 2: the advantage compares completions within a group")
+    if not (0 <= cfg.mu <= 1 and 0 <= cfg.expert_data_ratio <= 1):
+        common.fail(f"--mu ({cfg.mu}) and --expert_data_ratio ({cfg.expert_data_ratio}) must lie in [0, 1]")
+    num_expert = math.ceil(cfg.expert_data_ratio * cfg.per_device_train_batch_size)  # E expert rows per step
+    num_usual = cfg.per_device_train_batch_size - num_expert  # B*G rollout rows per step
+    if num_usual < cfg.num_generations or num_usual % cfg.num_generations:
+        common.fail(f"the {num_usual} usual rows of a batch (--per_device_train_batch_size {cfg.per_device_train_batch_size} "
+                    f"minus {num_expert} expert rows) must be a positive multiple of --num_generations ({cfg.num_generations})")
+    if cfg.loss_type not in ("grpo", "dapo"):
+        common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
+    common.set_seed(cfg.seed)
+    device = common.get_device()
+    G = cfg.num_generations
+    num_prompts = num_usual // G
+
+    # data and models
+    train_data = common.load_split(cfg.dataset, "train")
+    test_data = common.load_split(cfg.dataset, "test")
+    if cfg.num_eval_examples:
+        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    model.to(device).train()
+    expert_examples = load_expert_examples(cfg.expert_dataset, tokenizer, cfg.max_completion_length) if num_expert else []
+    if len(expert_examples) < num_expert:
+        common.fail(f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, fewer than the {num_expert} a step needs")
+    print(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
+          f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
+    # The reference policy pi_ref: a frozen copy of the starting policy, only needed for the KL term.
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    total_updates = cfg.max_steps * cfg.num_iterations
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
+    rng = random.Random(cfg.seed)
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
+
+    def evaluate(step):
+        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+        common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                       f"sampled {scores['accuracy_sampled']:.1%}")
+        return scores
+
+    initial = evaluate(0)
+    for step in progress:
+        # 1. Rollout: G samples of each of B prompts, groups contiguous.
+        t0 = time.perf_counter()
+        rows = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows["question"] for _ in range(G)]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+        )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+        # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
+        columns = {name: [value for value in values for _ in range(G)] for name, values in rows.items()}
+        rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
+        rewards = rewards_per_func.sum(dim=1)  # [B*G]
+
+        # 3. Group-relative advantages replace the critic.
+        advantages = group_advantages(rewards, G).to(device)  # [B*G]
+
+        # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
+        expert_rows = [expert_examples[i] for i in rng.sample(range(len(expert_examples)), num_expert)]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = append_rows(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, expert_rows, tokenizer.pad_token_id
+        )  # [B*G+E, P], [B*G+E, P], [B*G+E, T], [B*G+E, T]
+        expert_mask = torch.arange(len(completion_ids), device=device) >= len(rewards)  # [B*G+E], True on expert rows
+        usual = ~expert_mask
+        advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows, which the SFT term ignores
+        t1 = time.perf_counter()
+
+        # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
+        T = completion_ids.shape[1]
+        with torch.no_grad():
+            ref_logprobs = common.completion_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature) if ref_model else None
+            # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
+            old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
+
+        # 5. Policy updates on this batch.
+        time_logprobs, time_backward = time.perf_counter() - t1, 0.0
+        for _ in range(cfg.num_iterations):
+            t2 = time.perf_counter()
+            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature)  # [B*G, T]
+            old = old_logprobs if old_logprobs is not None else logprobs.detach()
+            loss = mix_loss(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg.mu, cfg.epsilon,
+                            cfg.beta, cfg.loss_type)
+            t3 = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+
+        # 6. Logging (TRL's metric names where they exist; rollout statistics on the usual rows only).
+        with torch.no_grad():
+            kl = masked_mean_per_sequence(kl_k3(logprobs[usual], ref_logprobs[usual]), completion_mask[usual]).item() if ref_model else 0.0
+            clipped = clip_fraction(logprobs[usual], old[usual], advantages[usual], completion_mask[usual], cfg.epsilon)
+            ref_usual = ref_logprobs[usual] if ref_model else None
+            usual_loss = grpo_loss(logprobs[usual], old[usual], ref_usual, advantages[usual], completion_mask[usual],
+                                   cfg.epsilon, cfg.beta, cfg.loss_type).item()
+            expert_loss = sft_loss(logprobs[expert_mask], completion_mask[expert_mask], cfg.loss_type).item()
+        metrics = {
+            "step": step,
+            "loss": loss.item(),
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),  # within-group spread: the signal
+            **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
+            "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
+            "kl": kl,
+            "completion_length": completion_mask[usual].sum(dim=1).float().mean().item(),
+            "clip_fraction": clipped,
+            "grad_norm": grad_norm.item(),
+            "learning_rate": scheduler.get_last_lr()[0],
+            "time/generation": t1 - t0,
+            "time/logprobs": time_logprobs,
+            "time/backward": time_backward,
+            "usual/loss": usual_loss,  # the GRPO term on the rollouts (weighted by 1 - mu in the loss)
+            "expert/sft_loss": expert_loss,  # the NLL of the expert answers (weighted by mu)
+            "usual/num_rows": int(usual.sum()),
+            "expert/num_rows": int(expert_mask.sum()),
+        }
+        common.log_metrics(cfg.output_dir, metrics)
+        progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
+        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+            scores = evaluate(step)
+            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+
+    common.save_checkpoint(model, tokenizer, cfg.output_dir)
+    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    png = common.plot_metrics(
+        cfg.output_dir,
+        {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
+         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
+         "kl to reference": ["kl"], "completion length": ["completion_length"],
+         "loss terms": ["usual/loss", "expert/sft_loss"]},
+        "MIX",
+    )
+    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))
