@@ -1,10 +1,12 @@
-"""What every script needs the same way: tokenizer and model loading, data and prompts,
-generation (rollout), per-token log-probs, held-out evaluation, config parsing, logging.
+"""What every script needs the same way: tokenizer and model loading, LoRA, data and prompts,
+generation (rollout), per-token log-probs, held-out evaluation, config parsing, several
+processes (torchrun), logging.
 
 Each algorithm itself (SFT, reward model, PPO, GRPO, MIX) lives in its own script.
 """
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -15,13 +17,16 @@ import re
 import shutil
 import sys
 import textwrap
+import types
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.nn.utils.rnn import pad_sequence
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -59,7 +64,10 @@ def parse_config(config_class, args=None):
     script_doc = sys.modules["__main__"].__doc__
     parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(config_class):
-        kind = _to_bool if field.type is bool else field.type  # argparse's bool("False") would be True
+        kind = field.type
+        if isinstance(kind, types.UnionType):  # `int | None`: parse an int, None when left out
+            kind = next(t for t in kind.__args__ if t is not type(None))
+        kind = _to_bool if kind is bool else kind  # argparse's bool("False") would be True
         parser.add_argument(
             f"--{field.name}", type=kind, default=field.default, help=f"{docs.get(field.name, '')} (default: %(default)s)"
         )
@@ -81,7 +89,84 @@ def set_seed(seed: int):
 
 
 def get_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """This process's GPU (torchrun's LOCAL_RANK picks which), or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Several processes (torchrun --nproc_per_node N): data parallelism
+# ---------------------------------------------------------------------------------------------
+def setup_distributed() -> tuple[int, int]:
+    """(rank, world_size) of this process. Under torchrun, which sets RANK, WORLD_SIZE and
+    LOCAL_RANK, join the process group: nccl between GPUs, gloo on CPU. A plain
+    `python script.py` is rank 0 of 1 and starts no group."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(get_device())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_main_process() -> bool:
+    """Rank 0 prints, writes metrics and saves; the other ranks only compute."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def broadcast_weights(model):
+    """Every process starts from rank 0's weights (a model built from scratch is random)."""
+    if dist.is_initialized():
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+
+
+def average_gradients(model):
+    """Data parallelism, as torch's DistributedDataParallel does it (there overlapped with the
+    backward pass): every process holds the same weights and backpropagates its own share of
+    the batch; averaging the gradients over processes gives every process the same update, so
+    the weights stay identical. Token means divide by token_count(), which makes this average
+    exactly the gradient of one loss over the whole global batch. Call it after backward()."""
+    if dist.is_initialized():
+        for param in model.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad)  # sum over processes (gloo has no AVG)
+                param.grad.div_(dist.get_world_size())
+
+
+def global_sum(value):
+    """A tensor or number summed over all processes; unchanged in a single process."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.as_tensor(value, device=value.device if torch.is_tensor(value) else get_device()).clone()
+    dist.all_reduce(tensor)
+    return tensor if torch.is_tensor(value) else tensor.item()
+
+
+def token_count(mask: torch.Tensor) -> torch.Tensor:
+    """The denominator of a token mean: mask.sum() in one process; with N processes, the token
+    count of the whole batch divided by N. Each process divides its own token sum by it, so the
+    mean of the N losses, and of their gradients (average_gradients), is the sum over all
+    tokens of the global batch divided by their number: the loss of one process on all of it."""
+    count = global_sum(mask.sum().float())
+    return (count / (dist.get_world_size() if dist.is_initialized() else 1)).clamp(min=1)
+
+
+def reduce_metrics(metrics: dict) -> dict:
+    """Each float metric averaged over processes (one all_reduce); ints such as `step` kept."""
+    keys = [key for key, value in metrics.items() if isinstance(value, float)]
+    if not dist.is_initialized() or not keys:
+        return metrics
+    values = global_sum(torch.tensor([metrics[key] for key in keys], dtype=torch.float64, device=get_device()))
+    return {**metrics, **{key: value / dist.get_world_size() for key, value in zip(keys, values.tolist())}}
+
+
+def log(message: str):
+    """Print a line (between tqdm updates), from rank 0 only."""
+    if is_main_process():
+        tqdm.write(message)
 
 
 def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_lr_rate: float):
@@ -164,14 +249,21 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
     SFT checkpoint the head starts random; from a reward-model checkpoint it is the trained one."""
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
-    if is_local and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+    is_adapter = os.path.isfile(os.path.join(name_or_path, "adapter_config.json"))  # a LoRA run's output
+    if is_local and not (is_adapter or os.path.isfile(os.path.join(name_or_path, "config.json"))):
         fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
+    auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+    head = dict(num_labels=1) if scalar_head else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
-        if scalar_head:
-            model = AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=torch.float32)
+        if is_adapter:  # the base model the adapter was trained on, with the adapter merged into its weights
+            from peft import PeftConfig, PeftModel
+
+            base_path = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
+            base = auto_class.from_pretrained(base_path, **head, dtype=torch.float32)
+            model = PeftModel.from_pretrained(base, name_or_path).merge_and_unload()
         else:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32)
+            model = auto_class.from_pretrained(name_or_path, **head, dtype=torch.float32)
     except OSError as error:  # not on disk and not reachable on the hub
         fail(f"could not load model {name_or_path!r} ({str(error).splitlines()[0]})")
     if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
@@ -181,7 +273,11 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
 
 def save_checkpoint(model, tokenizer, output_dir: str):
     """Write model + tokenizer to a temporary folder first, then move the files into place, so a
-    crash while writing never leaves a half-written checkpoint over a good one."""
+    crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
+    is the adapter only (adapter_config.json names the base model; load_model merges them).
+    Rank 0 only."""
+    if not is_main_process():
+        return
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -189,6 +285,65 @@ def save_checkpoint(model, tokenizer, output_dir: str):
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (peft), precision and memory
+# ---------------------------------------------------------------------------------------------
+def add_lora(model, cfg, scalar_head: bool = False):
+    """Freeze the model and train low-rank adapters instead (LoRA, Hu et al. 2021): each target
+    linear layer W becomes W x + (alpha / r) * B A x, with A [r, d_in] and B [d_out, r], B = 0 at
+    the start, so training begins from the unchanged model. Only A and B (and, for a reward model
+    or critic, its scalar head: peft's SEQ_CLS task trains it too) get gradients and AdamW states:
+    about 2r / d_model of the parameters (note 002's estimate). The frozen base is also the
+    reference policy: see reference_model."""
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.lora_r <= 0:
+        fail(f"--lora_r must be a positive rank, not {cfg.lora_r} (leave it out to train every weight)")
+    targets = cfg.lora_target_modules
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=targets if targets == "all-linear" else targets.split(","),
+                        task_type="SEQ_CLS" if scalar_head else "CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+@contextlib.contextmanager
+def reference_model(model, frozen_copy):
+    """The reference policy pi_ref of the KL terms: the frozen copy of the starting model if there
+    is one. With LoRA there is none: the policy with its adapter switched off (peft's
+    disable_adapter) *is* the starting model, so no second copy of the weights is held."""
+    if frozen_copy is not None:
+        yield frozen_copy
+    else:
+        with model.disable_adapter():
+            yield model
+
+
+def autocast(model):
+    """bf16 autocast on a GPU that supports it: matrix products in bf16, weights, gradients and
+    AdamW states stay fp32 (mixed precision). Nothing on the CPU, where it was no faster here."""
+    device = next(model.parameters()).device
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def memory_estimate(trained_models, frozen_models=()) -> str:
+    """Note 002's memory table for this run, in GiB: the weights; gradients and AdamW's two
+    moments, fp32, for each *trained* parameter (all of them, or with LoRA only the adapters);
+    frozen copies (reference policy, reward model). Activations come on top and grow with
+    batch x sequence length (gradient_checkpointing trades them for recomputation)."""
+    weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    trained = sum(p.numel() for m in trained_models for p in m.parameters() if p.requires_grad)
+    total = sum(p.numel() for m in trained_models for p in m.parameters())
+    rows = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
+            (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M)", 4 * trained),
+            ("AdamW moments (2 x fp32 per trained parameter)", 8 * trained),
+            ("frozen copies (reference, reward model)", sum(weights(m) for m in frozen_models))]
+    lines = [f"  {name:<58} {size / 2**30:8.3f} GiB" for name, size in rows]
+    lines.append(f"  {'total, before activations':<58} {sum(size for _, size in rows) / 2**30:8.3f} GiB")
+    return "memory estimate (note 002):\n" + "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +477,11 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         eos_token_id=tokenizer.eos_token_id,
         **(dict(do_sample=False) if greedy else sampling),
     )
-    sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
+    was_training = model.training
+    model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
+    with autocast(model):
+        sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
+    model.train(was_training)
     completion_ids = sequences[:, prompt_ids.shape[1] :]  # [B, T]
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
 
@@ -357,12 +516,13 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
     """
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        logits_to_keep=num_completion_tokens + 1,
-    ).logits[:, :-1] / temperature  # [B, T, V]
+    with autocast(model):
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=num_completion_tokens + 1,
+        ).logits[:, :-1] / temperature  # [B, T, V]
     logprobs = gather_logprobs(logits, input_ids[:, -num_completion_tokens:])
     if not with_entropy:
         return logprobs
@@ -376,7 +536,9 @@ def last_hidden_states(model, input_ids, attention_mask):
     """The transformer's last hidden states [B, L, H], without the head (reward model, critic).
     Position ids count real tokens only, as in completion_logprobs, so left padding changes nothing."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    transformer = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model  # peft wraps it
+    with autocast(model):
+        return transformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +549,11 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
     """Held-out exact-match accuracy: of greedy decoding, and of sampling at temperature 1
     (the mean over `samples_per_problem` samples of each problem, to halve the noise of one).
 
-    Greedy is the model's best guess; sampled accuracy is what the policy earns in RL."""
+    Greedy is the model's best guess; sampled accuracy is what the policy earns in RL. Under
+    torchrun each process evaluates its share of the problems and the counts are summed."""
     model.eval()
+    if dist.is_initialized():
+        dataset = dataset.shard(dist.get_world_size(), dist.get_rank(), contiguous=True)
     correct_greedy = correct_sampled = 0
     rows_per_batch = max(1, batch_size // samples_per_problem)
     for start in range(0, len(dataset), rows_per_batch):
@@ -403,20 +568,31 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
         answers = [a for a in rows["answer"] for _ in range(samples_per_problem)]
         correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()
-    n = len(dataset)
+    n, correct_greedy, correct_sampled = (int(global_sum(float(x))) for x in (len(dataset), correct_greedy, correct_sampled))
     return {"accuracy_greedy": correct_greedy / n, "accuracy_sampled": correct_sampled / (n * samples_per_problem), "n": n}
 
 
 # ---------------------------------------------------------------------------------------------
 # Logging: metrics.jsonl (one JSON object per logged step), eval.json, a PNG of the curves
 # ---------------------------------------------------------------------------------------------
+def start_output_dir(output_dir: str):
+    """Create the output folder and start an empty metrics.jsonl (rank 0 only)."""
+    if is_main_process():
+        os.makedirs(output_dir, exist_ok=True)
+        open(os.path.join(output_dir, "metrics.jsonl"), "w").close()
+
+
 def log_metrics(output_dir: str, metrics: dict):
-    """Append one JSON object to <output_dir>/metrics.jsonl."""
+    """Append one JSON object to <output_dir>/metrics.jsonl (rank 0 only)."""
+    if not is_main_process():
+        return
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
 
 
 def write_json(path: str, obj: dict):
+    if not is_main_process():
+        return
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
@@ -424,6 +600,8 @@ def write_json(path: str, obj: dict):
 
 def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
     """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png."""
+    if not is_main_process():
+        return None
     import matplotlib
 
     matplotlib.use("Agg")

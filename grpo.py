@@ -9,6 +9,8 @@ reference policy.
     python grpo.py --beta 0 --loss_type dapo             # no reference model, token-mean loss
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
+    torchrun --nproc_per_node 2 grpo.py                  # data parallel over 2 GPUs (or CPU processes)
+    python grpo.py --lora_r 8                            # LoRA; pi_ref = the model with its adapter off
 
 One training step:
   1. rollout: B prompts x G samples each          completion_ids, completion_mask  [B*G, T]
@@ -74,6 +76,16 @@ class Config:
     """held-out problems per evaluation (0 = the whole test split)"""
     seed: int = 0
     """random seed"""
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy); unset = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +163,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     if loss_type == "grpo":
         return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "dapo":
-        return per_token.sum() / mask.sum().clamp(min=1)
+        return per_token.sum() / common.token_count(mask)  # under torchrun: the global batch's tokens
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -180,7 +192,8 @@ def main(cfg: Config):
                     f"--num_generations ({cfg.num_generations})")
     if cfg.loss_type not in ("grpo", "dapo"):
         common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
-    common.set_seed(cfg.seed)
+    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
     G = cfg.num_generations
     num_prompts = cfg.per_device_train_batch_size // G
@@ -190,24 +203,32 @@ def main(cfg: Config):
     test_data = common.load_split(cfg.dataset, "test")
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    if len(train_data) < num_prompts:
+        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
+        model = common.add_lora(model, cfg)
     model.to(device).train()
-    # The reference policy pi_ref: a frozen copy of the starting policy, only needed for the KL term.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (LoRA's A is random)
+    # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
+    # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    common.log(common.memory_estimate([model], [ref_model] if ref_model else []))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
-    rng = random.Random(cfg.seed)
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
+    common.start_output_dir(cfg.output_dir)
+    rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                                             "eval/accuracy_sampled": scores["accuracy_sampled"]})
-        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                       f"sampled {scores['accuracy_sampled']:.1%}")
+        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                   f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
     initial = evaluate(0)
@@ -235,7 +256,10 @@ def main(cfg: Config):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
         T = completion_ids.shape[1]
         with torch.no_grad():
-            ref_logprobs = common.completion_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature) if ref_model else None
+            ref_logprobs = None
+            if cfg.beta > 0:
+                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                    ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)
             # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
             old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
 
@@ -249,6 +273,7 @@ def main(cfg: Config):
             t3 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -256,7 +281,7 @@ def main(cfg: Config):
 
         # 6. Logging (TRL's metric names where they exist).
         with torch.no_grad():
-            kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs), completion_mask).item() if ref_model else 0.0
+            kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs), completion_mask).item() if cfg.beta > 0 else 0.0
             clipped = clip_fraction(logprobs, old, advantages, completion_mask, cfg.epsilon)
         metrics = {
             "step": step,
@@ -274,11 +299,12 @@ def main(cfg: Config):
             "time/logprobs": time_logprobs,
             "time/backward": time_backward,
         }
+        metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(cfg.output_dir, metrics)
         progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
-            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+            common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
@@ -289,9 +315,10 @@ def main(cfg: Config):
          "kl to reference": ["kl"], "completion length": ["completion_length"]},
         "GRPO",
     )
-    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
-          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
-          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+               f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+               f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    return model
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ This file is grpo.py with the expert term added; `diff grpo.py mix.py` shows exa
     python mix.py --mu 0 --expert_data_ratio 0           # plain GRPO again
     python mix.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --expert_dataset expert.jsonl \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
+    torchrun --nproc_per_node 2 mix.py                   # data parallel over 2 GPUs (or CPU processes)
+    python mix.py --lora_r 8                             # LoRA; pi_ref = the model with its adapter off
 
 One training step:
   1. rollout: B prompts x G samples each          completion_ids, completion_mask  [B*G, T]
@@ -85,6 +87,16 @@ class Config:
     """held-out problems per evaluation (0 = the whole test split)"""
     seed: int = 0
     """random seed"""
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy); unset = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +174,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     if loss_type == "grpo":
         return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "dapo":
-        return per_token.sum() / mask.sum().clamp(min=1)
+        return per_token.sum() / common.token_count(mask)  # under torchrun: the global batch's tokens
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -289,7 +301,8 @@ def main(cfg: Config):
                     f"minus {num_expert} expert rows) must be a positive multiple of --num_generations ({cfg.num_generations})")
     if cfg.loss_type not in ("grpo", "dapo"):
         common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
-    common.set_seed(cfg.seed)
+    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
     G = cfg.num_generations
     num_prompts = num_usual // G
@@ -299,29 +312,37 @@ def main(cfg: Config):
     test_data = common.load_split(cfg.dataset, "test")
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    if len(train_data) < num_prompts:
+        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
+        model = common.add_lora(model, cfg)
     model.to(device).train()
+    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (LoRA's A is random)
     expert_examples = load_expert_examples(cfg.expert_dataset, tokenizer, cfg.max_completion_length) if num_expert else []
     if len(expert_examples) < num_expert:
         common.fail(f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, fewer than the {num_expert} a step needs")
-    print(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
-          f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
-    # The reference policy pi_ref: a frozen copy of the starting policy, only needed for the KL term.
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 else None
+    common.log(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
+               f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
+    # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
+    # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    common.log(common.memory_estimate([model], [ref_model] if ref_model else []))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
-    rng = random.Random(cfg.seed)
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True)
+    common.start_output_dir(cfg.output_dir)
+    rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="mix", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                                             "eval/accuracy_sampled": scores["accuracy_sampled"]})
-        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                       f"sampled {scores['accuracy_sampled']:.1%}")
+        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                   f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
     initial = evaluate(0)
@@ -358,7 +379,10 @@ def main(cfg: Config):
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
         T = completion_ids.shape[1]
         with torch.no_grad():
-            ref_logprobs = common.completion_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature) if ref_model else None
+            ref_logprobs = None
+            if cfg.beta > 0:
+                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                    ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)
             # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
             old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
 
@@ -373,6 +397,7 @@ def main(cfg: Config):
             t3 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
@@ -380,9 +405,9 @@ def main(cfg: Config):
 
         # 6. Logging (TRL's metric names where they exist; rollout statistics on the usual rows only).
         with torch.no_grad():
-            kl = masked_mean_per_sequence(kl_k3(logprobs[usual], ref_logprobs[usual]), completion_mask[usual]).item() if ref_model else 0.0
+            kl = masked_mean_per_sequence(kl_k3(logprobs[usual], ref_logprobs[usual]), completion_mask[usual]).item() if cfg.beta > 0 else 0.0
             clipped = clip_fraction(logprobs[usual], old[usual], advantages[usual], completion_mask[usual], cfg.epsilon)
-            ref_usual = ref_logprobs[usual] if ref_model else None
+            ref_usual = ref_logprobs[usual] if cfg.beta > 0 else None
             usual_loss = grpo_loss(logprobs[usual], old[usual], ref_usual, advantages[usual], completion_mask[usual],
                                    cfg.epsilon, cfg.beta, cfg.loss_type).item()
             expert_loss = sft_loss(logprobs[expert_mask], completion_mask[expert_mask], cfg.loss_type).item()
@@ -406,11 +431,12 @@ def main(cfg: Config):
             "usual/num_rows": int(usual.sum()),
             "expert/num_rows": int(expert_mask.sum()),
         }
+        metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(cfg.output_dir, metrics)
         progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
-            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+            common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
@@ -422,9 +448,10 @@ def main(cfg: Config):
          "loss terms": ["usual/loss", "expert/sft_loss"]},
         "MIX",
     )
-    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
-          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
-          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+               f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+               f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    return model
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 
     python sft.py && python reward_model.py && python ppo.py
     python ppo.py --reward_model rule       # the rule-based checker instead of the reward model
+    torchrun --nproc_per_node 2 ppo.py      # data parallel over 2 GPUs (or CPU processes)
+    python ppo.py --lora_r 8                # LoRA actor and critic; the reference is the actor with its adapter off
 
 Only the actor decodes ("rollout"); the reference, critic and reward model just read the finished
 sequences in one forward pass each ("inference", prefill only). One step:
@@ -84,6 +86,16 @@ class Config:
     """held-out problems per evaluation (0 = the whole test split)"""
     seed: int = 0
     """random seed"""
+    lora_r: int | None = None
+    """LoRA rank: adapters on actor and critic (pi_ref = the actor with its adapter off); unset = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +118,22 @@ def reward_scores(reward_model, input_ids, attention_mask):
     hidden = common.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
+
+
+@torch.no_grad()
+def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: int, system_prompt: str, batch_size=64) -> dict:
+    """Held-out evaluation when the data has no answers to check (prompts only, e.g. Dahoas/rm-static):
+    the reward model's mean score of the actor's greedy completions. Only as trustworthy as the
+    reward model (see the README's reward-hacking example)."""
+    actor.eval()
+    total = 0.0
+    for start in range(0, len(questions), batch_size):
+        prompts = [common.make_prompt(tokenizer, q, system_prompt) for q in questions[start : start + batch_size]]
+        prompt_ids, prompt_mask, completion_ids, mask = common.generate(actor, tokenizer, prompts, max_new_tokens, greedy=True)
+        input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+        total += reward_scores(reward_model, input_ids, attention_mask).sum().item()
+    actor.train()
+    return {"score": total / len(questions), "n": len(questions)}
 
 
 def rule_scores(completions: list[str], answers: list[str]) -> torch.Tensor:
@@ -163,16 +191,20 @@ def gae(values, rewards, mask, gamma, lam):
 
 def whiten(advantages, mask, eps=1e-8):
     """(A - mean) / std over the real tokens of the batch; padding stays 0. Keeps the size of the
-    actor's update the same whatever the scale of the reward."""
+    actor's update the same whatever the scale of the reward. (Under torchrun, mean and std are
+    those of the global batch.)"""
     mask = mask.bool()
-    real = advantages[mask]
-    return torch.where(mask, (advantages - real.mean()) / (real.std() + eps), 0.0)
+    n = common.global_sum(mask.sum().float())
+    mean = common.global_sum(torch.where(mask, advantages, 0.0).sum()) / n
+    var = common.global_sum(torch.where(mask, (advantages - mean) ** 2, 0.0).sum()) / (n - 1)  # unbiased, as torch.std
+    return torch.where(mask, (advantages - mean) / (var.sqrt() + eps), 0.0)
 
 
 def masked_mean(values, mask):
-    """Mean of values over the real tokens of the whole batch (a token mean)."""
+    """Mean of values over the real tokens of the whole batch (a token mean; under torchrun the
+    denominator is the global batch's, see common.token_count)."""
     mask = mask.bool()
-    return torch.where(mask, values, 0.0).sum() / mask.sum().clamp(min=1)
+    return torch.where(mask, values, 0.0).sum() / common.token_count(mask)
 
 
 def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
@@ -223,20 +255,33 @@ def main(cfg: Config):
     if cfg.per_device_train_batch_size % cfg.num_mini_batches:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_mini_batches ({cfg.num_mini_batches})")
-    common.set_seed(cfg.seed)
+    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
 
     # data and the four models
-    train_data = common.load_split(cfg.dataset, "train")
-    test_data = common.load_split(cfg.dataset, "test")
+    # GSM8K's schema (question, answer: rule-based accuracy is measured too), or prompts only (the
+    # `prompt` column of a preference dataset such as Dahoas/rm-static: the reward model is the only judge).
+    has_answers = "prompt" not in common.load_split(cfg.dataset, "train", columns=()).column_names
+    columns = ("question", "answer") if has_answers else ("prompt",)
+    train_data = common.load_split(cfg.dataset, "train", columns)
+    test_data = common.load_split(cfg.dataset, "test", columns)
+    if not has_answers and cfg.reward_model == "rule":
+        common.fail(f"--reward_model rule checks answers, and {cfg.dataset} has prompts only: pass a reward model")
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
     if len(train_data) < cfg.per_device_train_batch_size:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than --per_device_train_batch_size "
                     f"({cfg.per_device_train_batch_size})")
     actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    if cfg.gradient_checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA: the actor is frozen, adapters are trained
+        actor = common.add_lora(actor, cfg)
     actor.to(device).train()
-    reference = copy.deepcopy(actor).eval().requires_grad_(False)
+    common.broadcast_weights(actor)  # DDP: every process starts from rank 0's weights (LoRA's A is random)
+    # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
+    reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
     if cfg.reward_model == "rule":
         reward_model, critic = None, common.load_model(cfg.model, scalar_head=True)[0]  # critic: fresh value head
     else:
@@ -244,24 +289,34 @@ def main(cfg: Config):
         reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True)[0]
         reward_model.to(device).eval().requires_grad_(False)
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
+    if cfg.gradient_checkpointing:
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA critic: adapters and its value head are trained
+        critic = common.add_lora(critic, cfg, scalar_head=True)
     critic.to(device).train()
+    common.broadcast_weights(critic)  # DDP: the same starting weights everywhere (a fresh value head is random)
+    common.log(common.memory_estimate([actor, critic], [m for m in (reference, reward_model) if m is not None]))
 
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
     num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates, cfg.min_lr_rate)
                   for opt in (actor_optimizer, critic_optimizer)]
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
-    rng = random.Random(cfg.seed)
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="ppo", dynamic_ncols=True)
+    common.start_output_dir(cfg.output_dir)
+    rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="ppo", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
+        if not has_answers:
+            scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length, cfg.system_prompt)
+            common.log_metrics(cfg.output_dir, {"step": step, "eval/score": scores["score"]})
+            common.log(f"step {step}: held-out reward-model score of greedy completions {scores['score']:.3f}")
+            return scores
         scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                                             "eval/accuracy_sampled": scores["accuracy_sampled"]})
-        progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                       f"sampled {scores['accuracy_sampled']:.1%}")
+        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                   f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
     initial = evaluate(0)
@@ -269,7 +324,7 @@ def main(cfg: Config):
         # 1. Rollout: the actor decodes one completion per prompt.
         t0 = time.perf_counter()
         rows = train_data[rng.sample(range(len(train_data)), cfg.per_device_train_batch_size)]
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows["question"]]
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows[columns[0]]]
         prompt_ids, prompt_mask, completion_ids, mask = common.generate(
             actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
         )  # [B, P], [B, P], [B, T], [B, T]
@@ -284,7 +339,8 @@ def main(cfg: Config):
             # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
             # stays even with one epoch and one mini-batch (where the training pass recomputes them).
             old_logprobs = common.completion_logprobs(actor, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
-            ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
+            with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
+                ref_logprobs = common.completion_logprobs(pi_ref, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
             old_values = critic_values(critic, input_ids, attention_mask, T)  # [B, T]
             if reward_model is None:
                 score = rule_scores(completions, rows["answer"]).to(device)  # [B]
@@ -312,6 +368,7 @@ def main(cfg: Config):
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer), (critic_loss, critic, critic_optimizer)):
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
+                    common.average_gradients(model)  # DDP: the same update on every process
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     optimizer.step()
                 for scheduler in schedulers:
@@ -333,7 +390,8 @@ def main(cfg: Config):
         metrics = {
             "step": step,
             "score": score.mean().item(),
-            "accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, rows["answer"])]),
+            **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, rows["answer"])])}
+               if has_answers else {}),
             "kl": kl,  # sum over a completion's tokens of log pi/pi_ref, mean over completions
             "loss/actor": mean(stats["actor_loss"]),
             "loss/critic": mean(stats["critic_loss"]),
@@ -347,11 +405,12 @@ def main(cfg: Config):
             "time/logprobs": t2 - t1 + time_forward,  # the inference passes + the training forward passes
             "time/backward": time_backward,
         }
+        metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(cfg.output_dir, metrics)
-        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.2f}")
+        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}", kl=f"{kl:.2f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
-            progress.write(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
+            common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
 
     common.save_checkpoint(actor, tokenizer, cfg.output_dir)
     os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)
@@ -359,13 +418,18 @@ def main(cfg: Config):
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
     png = common.plot_metrics(
         cfg.output_dir,
-        {"reward model score": ["score"], "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
+        {"reward model score": ["score", "eval/score"], "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
          "kl to reference": ["kl"], "losses": ["loss/actor", "loss/critic"]},
         "PPO",
     )
-    print(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
-          f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
-          f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    if has_answers:
+        common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
+                   f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
+                   f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    else:
+        common.log(f"saved model to {cfg.output_dir}; held-out reward-model score {initial['score']:.3f} -> "
+                   f"{scores['score']:.3f} (n={scores['n']}); curves in {png}")
+    return actor
 
 
 if __name__ == "__main__":

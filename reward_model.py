@@ -8,6 +8,7 @@ token (EOS). Trained on pairs (prompt, chosen, rejected) so that chosen outscore
 
     python reward_model.py                                # out/sft + data/preference -> out/rm
     python reward_model.py --dataset Dahoas/rm-static --model out/sft_qwen
+    torchrun --nproc_per_node 2 reward_model.py           # data parallel over 2 GPUs (or CPU processes)
 
 The shipped pairs (data/make_data.py) have a right answer as chosen and a plausible mistake as
 rejected: a forgotten carry, a slipped digit, a final number that does not follow the reasoning,
@@ -66,6 +67,16 @@ class Config:
     """write a metrics.jsonl line every this many steps"""
     seed: int = 0
     """random seed"""
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters (and the scalar head) instead of every weight; unset = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
 
 
 def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
@@ -137,7 +148,8 @@ def collate(pairs, pad_id: int):
 
 @torch.no_grad()
 def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
-    """Held-out pairwise accuracy (how often r(chosen) > r(rejected)) and the mean margin."""
+    """Held-out pairwise accuracy (how often r(chosen) > r(rejected)) and the mean margin.
+    Under torchrun each process scores its own share of the pairs and the counts are summed."""
     model.eval()
     margins = []
     for start in range(0, len(pairs), batch_size):
@@ -147,11 +159,13 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
         margins.append(chosen - rejected)
     model.train()
     margins = torch.cat(margins)
-    return {"pairwise_accuracy": (margins > 0).float().mean().item(), "margin": margins.mean().item(), "n": len(pairs)}
+    n, correct, margin_sum = (common.global_sum(float(x)) for x in (len(margins), (margins > 0).sum(), margins.sum()))
+    return {"pairwise_accuracy": correct / n, "margin": margin_sum / n, "n": int(n)}
 
 
 def main(cfg: Config):
-    common.set_seed(cfg.seed)
+    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
     columns = ("prompt", "chosen", "rejected")
     train_data = common.load_split(cfg.dataset, "train", columns)
@@ -162,11 +176,17 @@ def main(cfg: Config):
     # The SFT model with a fresh N -> 1 head in place of its LM head.
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA: the transformer is frozen, adapters and the scalar head are trained
+        model = common.add_lora(model, cfg, scalar_head=True)
     model.to(device).train()
+    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
-    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)
-    if not train_pairs or not test_pairs:
-        common.fail(f"no preference pair in {cfg.dataset} fits in --max_length {cfg.max_length}")
+    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]  # DDP: a share each
+    if len(train_pairs) < cfg.per_device_train_batch_size or not test_pairs:
+        common.fail(f"{cfg.dataset} has {len(train_pairs)} training and {len(test_pairs)} held-out pairs that fit in "
+                    f"--max_length {cfg.max_length}: it needs --per_device_train_batch_size ({cfg.per_device_train_batch_size}) and 1")
     # Extra pairs from the policy's own samples: for training (train prompts), and a held-out set
     # (test prompts) that measures what PPO needs: does the RM rank *this policy's* answers right?
     policy_test_pairs, num_shipped = [], len(train_pairs)
@@ -176,21 +196,24 @@ def main(cfg: Config):
                         "pass --policy_prompts 0")
         policy = common.load_model(cfg.model)[0].to(device)
         train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
-        extra = policy_pairs(policy, tokenizer, train_prompts, cfg.samples_per_prompt, cfg.max_completion_length, cfg.system_prompt)
-        held_out = policy_pairs(policy, tokenizer, test_data, 2, cfg.max_completion_length, cfg.system_prompt)
+        # DDP: each process samples on its own share of the prompts
+        extra = policy_pairs(policy, tokenizer, train_prompts.shard(world_size, rank, contiguous=True),
+                             cfg.samples_per_prompt, cfg.max_completion_length, cfg.system_prompt)
+        held_out = policy_pairs(policy, tokenizer, test_data.shard(world_size, rank, contiguous=True), 2,
+                                cfg.max_completion_length, cfg.system_prompt)
         del policy
         train_pairs += tokenize_pairs(tokenizer, extra, cfg.system_prompt, cfg.max_length)
         policy_test_pairs = tokenize_pairs(tokenizer, held_out, cfg.system_prompt, cfg.max_length)
-    print(f"reward model: {len(train_pairs)} training pairs ({len(train_pairs) - num_shipped} from the policy), "
-          f"{len(test_pairs)} held-out pairs (+{len(policy_test_pairs)} from the policy), device {device}")
+    common.log(f"{common.memory_estimate([model])}\nreward model: {len(train_pairs)} training pairs "
+               f"({len(train_pairs) - num_shipped} from the policy), {len(test_pairs)} held-out pairs "
+               f"(+{len(policy_test_pairs)} from the policy), device {device}, {world_size} process(es)")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
-    rng = random.Random(cfg.seed)
+    common.start_output_dir(cfg.output_dir)
+    rng = random.Random(cfg.seed + rank)
 
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="reward model", dynamic_ncols=True)
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="reward model", dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         t0 = time.perf_counter()
         input_ids, attention_mask = collate(rng.sample(train_pairs, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
@@ -199,6 +222,7 @@ def main(cfg: Config):
         t1 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -221,9 +245,9 @@ def main(cfg: Config):
                 scores["policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
                 metrics["eval/policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
                 message += f"; on the policy's own samples {on_policy['pairwise_accuracy']:.1%}"
-            progress.write(message)
+            common.log(message)
         if metrics:
-            common.log_metrics(cfg.output_dir, metrics)
+            common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
@@ -233,8 +257,9 @@ def main(cfg: Config):
          "scores": ["score/chosen", "score/rejected"]},
         "Reward model",
     )
-    print(f"saved reward model to {cfg.output_dir}; held-out pairwise accuracy {scores['pairwise_accuracy']:.1%} "
-          f"(n={scores['n']}); curves in {png}")
+    common.log(f"saved reward model to {cfg.output_dir}; held-out pairwise accuracy {scores['pairwise_accuracy']:.1%} "
+               f"(n={scores['n']}); curves in {png}")
+    return model
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a l
     python sft.py                                        # tiny model, data/arithmetic -> out/sft
     python sft.py --max_steps 100 --output_dir out/sft_weak   # a weaker start for RL
     python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --learning_rate 1e-5
+    torchrun --nproc_per_node 2 sft.py ...               # data parallel over 2 GPUs (or CPU processes)
+    python sft.py --model out/sft --lora_r 8 ...         # LoRA adapters instead of every weight
 
 Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
 RL scripts can reward the format and the number.
@@ -27,7 +29,7 @@ class Config:
     model: str = "tiny"
     """'tiny' builds the embedded ~1M-parameter model from scratch; else a local folder or hub id"""
     dataset: str = "data/demos"
-    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
+    """a folder with train.jsonl / test.jsonl, or a hub dataset: GSM8K's schema (openai/gsm8k) or prompt/chosen (Dahoas/rm-static)"""
     output_dir: str = "out/sft"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
     system_prompt: str = ""
@@ -56,6 +58,16 @@ class Config:
     """write a metrics.jsonl line every this many steps"""
     seed: int = 0
     """random seed"""
+    lora_r: int | None = None
+    """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model); unset = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = 0.0
+    """dropout on the adapter's input"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,17 +76,26 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         loss = -sum(logprobs * mask) / sum(mask)
 
     logprobs [B, T] are log pi(answer token | prompt, earlier answer tokens); mask [B, T] is 1 on
-    real answer tokens (EOS included) and 0 on padding, so prompt and padding never count."""
+    real answer tokens (EOS included) and 0 on padding, so prompt and padding never count.
+    (Under torchrun sum(mask) is the global batch's, per process: see common.token_count.)"""
     mask = mask.to(logprobs.dtype)
-    return -(logprobs * mask).sum() / mask.sum()
+    return -(logprobs * mask).sum() / common.token_count(mask)
 
 
 def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int):
-    """Each row -> (prompt token ids, answer token ids ending in EOS); too-long answers are dropped."""
+    """Each row -> (prompt token ids, answer token ids ending in EOS); too-long answers are dropped.
+
+    Two schemas: GSM8K's (question, answer = reasoning + '#### n', written as note 002's
+    <think>reasoning</think><answer>n</answer>), or a preference dataset's such as
+    Dahoas/rm-static (prompt, chosen: SFT imitates the chosen response, note 000)."""
+    if "question" in data.column_names:
+        rows = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q, a in zip(data["question"], data["answer"])]
+    else:
+        rows = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]
     examples = []
-    for question, answer in zip(data["question"], data["answer"]):
+    for question, answer in rows:
         prompt = common.make_prompt(tokenizer, question, system_prompt)
-        target = common.format_completion(*common.split_gsm8k_answer(answer)) + tokenizer.eos_token
+        target = answer + tokenizer.eos_token
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
         if len(target_ids) <= max_completion_length:
@@ -91,36 +112,60 @@ def collate(examples, pad_id: int):
     return torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, answer_mask], 1), answer_mask
 
 
+@torch.no_grad()
+def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
+    """The token-mean NLL of held-out answers (for data without a number to check)."""
+    model.eval()
+    total = count = 0.0
+    for start in range(0, len(examples), batch_size):
+        input_ids, attention_mask, answer_mask = (x.to(model.device) for x in collate(examples[start : start + batch_size], pad_id))
+        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
+        total, count = total - (logprobs * answer_mask).sum().item(), count + answer_mask.sum().item()
+    model.train()
+    return {"loss": total / max(count, 1), "n": len(examples)}
+
+
 def main(cfg: Config):
-    common.set_seed(cfg.seed)
+    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
 
-    # data
-    train_data = common.load_split(cfg.dataset, "train")
-    test_data = common.load_split(cfg.dataset, "test")
+    # data: GSM8K's schema (held-out accuracy is measured), or prompt / chosen (held-out loss only)
+    has_answers = "prompt" not in common.load_split(cfg.dataset, "train", columns=()).column_names
+    columns = ("question", "answer") if has_answers else ("prompt", "chosen")
+    train_data = common.load_split(cfg.dataset, "train", columns)
+    test_data = common.load_split(cfg.dataset, "test", columns)
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
 
     # model: the embedded tiny one from scratch, or a pretrained one
     if cfg.model == "tiny":
+        if cfg.lora_r is not None:
+            common.fail("--lora_r needs a pretrained --model: the tiny model starts from random weights, so train all of them")
         tokenizer = common.build_tokenizer()
         model = common.build_tiny_model(tokenizer)
     else:
         model, tokenizer = common.load_model(cfg.model)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
+        model = common.add_lora(model, cfg)
     model.to(device).train()
+    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights
     examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
-    if not examples:
-        common.fail(f"no training answer in {cfg.dataset} fits in --max_completion_length {cfg.max_completion_length}")
+    if len(examples) < cfg.per_device_train_batch_size:
+        common.fail(f"{cfg.dataset} has {len(examples)} training answers that fit in --max_completion_length "
+                    f"{cfg.max_completion_length}, fewer than --per_device_train_batch_size {cfg.per_device_train_batch_size}")
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}")
+    common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
+               f"{world_size} process(es)\n{common.memory_estimate([model])}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w").close()
-    rng = random.Random(cfg.seed)
+    common.start_output_dir(cfg.output_dir)
+    rng = random.Random(cfg.seed + rank)
 
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="sft", dynamic_ncols=True)
+    progress = tqdm(range(1, cfg.max_steps + 1), desc="sft", dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         t0 = time.perf_counter()
         input_ids, attention_mask, answer_mask = collate(rng.sample(examples, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
@@ -131,6 +176,7 @@ def main(cfg: Config):
         t1 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
@@ -141,20 +187,27 @@ def main(cfg: Config):
             metrics = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
                        "learning_rate": scheduler.get_last_lr()[0],
                        "time/logprobs": t1 - t0, "time/backward": time.perf_counter() - t1}
-        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
+        if (step % cfg.eval_steps == 0 or step == cfg.max_steps) and not has_answers:
+            scores = held_out_loss(model, tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length),
+                                   tokenizer.pad_token_id)
+            metrics.update({"step": step, "eval/loss": scores["loss"]})
+            common.log(f"step {step}: held-out loss {scores['loss']:.3f}")
+        elif step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
             metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                             "eval/accuracy_sampled": scores["accuracy_sampled"]})
-            progress.write(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                           f"sampled {scores['accuracy_sampled']:.1%}")
+            common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                       f"sampled {scores['accuracy_sampled']:.1%}")
         if metrics:
-            common.log_metrics(cfg.output_dir, metrics)
+            common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
-    png = common.plot_metrics(cfg.output_dir, {"loss": ["loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
-    print(f"saved model to {cfg.output_dir}; held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-          f"sampled {scores['accuracy_sampled']:.1%} (n={scores['n']}); curves in {png}")
+    png = common.plot_metrics(cfg.output_dir, {"loss": ["loss", "eval/loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
+    result = (f"accuracy greedy {scores['accuracy_greedy']:.1%}, sampled {scores['accuracy_sampled']:.1%}" if has_answers
+              else f"loss {scores['loss']:.3f}")
+    common.log(f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); curves in {png}")
+    return model
 
 
 if __name__ == "__main__":

@@ -1,0 +1,43 @@
+"""Losses and gradients of one fixed batch, computed by 1 process on all of it or by N processes
+(torchrun) on N slices of it, then averaged as in training. Saves them (rank 0) to argv[1].
+
+The rows have very different completion lengths, so a token mean over each slice would differ
+from the token mean over the batch: only the global normalisation (common.token_count) agrees."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import common  # noqa: E402
+import grpo  # noqa: E402
+import ppo  # noqa: E402
+import sft  # noqa: E402
+
+rank, world_size = common.setup_distributed()
+torch.manual_seed(0)
+tokenizer = common.build_tokenizer()
+model = common.build_tiny_model(tokenizer)
+lengths = [1, 2, 9, 12]  # short completions first: with 2 processes, rank 0 gets 3 tokens, rank 1 gets 21
+examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"], list(range(40, 40 + n)))
+            for i, n in enumerate(lengths)]
+input_ids, attention_mask, mask = sft.collate(examples, tokenizer.pad_token_id)
+advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
+share = slice(rank * len(lengths) // world_size, (rank + 1) * len(lengths) // world_size)
+losses = {
+    "sft": lambda lp, m, a: sft.sft_loss(lp, m),
+    "grpo_dapo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "dapo"),
+    "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "grpo"),
+    "ppo_actor": lambda lp, m, a: ppo.ppo_actor_loss(lp, lp.detach() + 0.1, a[:, None].expand_as(lp), m, 0.2),
+}
+results = {}
+for name, loss_fn in losses.items():
+    model.zero_grad(set_to_none=True)
+    logprobs = common.completion_logprobs(model, input_ids[share], attention_mask[share], mask.shape[1])
+    loss = loss_fn(logprobs, mask[share], advantages[share])
+    loss.backward()
+    common.average_gradients(model)
+    results[name] = {"loss": common.global_sum(loss.item()) / world_size,
+                     "grad": torch.cat([p.grad.flatten() for p in model.parameters()])}
+if common.is_main_process():
+    torch.save(results, sys.argv[1])

@@ -1,0 +1,238 @@
+"""Scale-out paths on CPU: torchrun data parallelism, LoRA, and the loaders of the public data schemas."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+import grpo
+from conftest import ROOT, read_metrics, run
+
+HELPERS = os.path.join(ROOT, "tests", "helpers")
+
+
+def torchrun(*args, nproc=2):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+# --- torchrun ----------------------------------------------------------------------------------
+def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
+    """Token means over the global batch: 2 processes on halves of a batch (3 and 21 tokens) give
+    the loss and the averaged gradient of 1 process on all of it, for every loss of the scripts."""
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    run(os.path.join(HELPERS, "ddp_losses.py"), one)
+    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two)
+    one, two = torch.load(one), torch.load(two)
+    for name in one:
+        assert two[name]["loss"] == pytest.approx(one[name]["loss"], rel=1e-5, abs=1e-7), name
+        assert torch.allclose(two[name]["grad"], one[name]["grad"], rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.parametrize("script, args", [
+    ("grpo", ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"]),
+    ("sft", ["--model", "tiny", "--max_steps", "4", "--per_device_train_batch_size", "8"]),
+])
+def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_path, script, args):
+    out = str(tmp_path / script)
+    model = [] if "--model" in args else ["--model", sft_checkpoint]
+    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), script, *model, *args, "--output_dir", out,
+                      "--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1")
+    assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
+    # rank 0 alone wrote the outputs: one metrics line per logged step, not two
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == (3 if script == "grpo" else 1)
+    with open(os.path.join(out, "eval.json")) as f:
+        assert json.load(f)["n"] == 8  # each process evaluated 4 problems; the counts were summed
+
+
+def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "grpo")
+    torchrun("grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
+             "--output_dir", out, "--eval_steps", "100", "--num_eval_examples", "8")
+    assert os.path.isfile(os.path.join(out, "model.safetensors"))
+
+
+# --- LoRA --------------------------------------------------------------------------------------
+class LoraConfig:
+    lora_r, lora_alpha, lora_dropout, lora_target_modules = 8, 16.0, 0.0, "all-linear"
+
+
+def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model():
+    torch.manual_seed(0)
+    tokenizer = common.build_tokenizer()
+    base = common.build_tiny_model(tokenizer)
+    start = {k: v.clone() for k, v in base.state_dict().items()}
+    model = common.add_lora(base, LoraConfig())
+    prompts = [common.make_prompt(tokenizer, "What is 1 + 2?")] * 4
+    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 8)
+    input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    T = completion_ids.shape[1]
+    base_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T).detach()  # B = 0: LoRA is a no-op
+    logprobs = common.completion_logprobs(model, input_ids, attention_mask, T)
+    advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
+    with common.reference_model(model, None) as reference:
+        ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T)
+    loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, completion_mask, 0.2, 0.04)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    loss.backward()
+    optimizer.step()
+    # the base weights did not move; every adapter's B did (A gets no gradient while B = 0)
+    for name, value in model.get_base_model().state_dict().items():
+        if "lora_" not in name:
+            assert torch.equal(value, start[name.replace(".base_layer", "")]), name
+    assert all(not torch.equal(p, lora_before[n]) for n, p in model.named_parameters() if "lora_B" in n)
+    # the adapter now changes the policy; switched off, it is exactly the starting model (pi_ref)
+    with torch.no_grad():
+        trained = common.completion_logprobs(model, input_ids, attention_mask, T)
+        with common.reference_model(model, None) as reference:
+            ref = common.completion_logprobs(reference, input_ids, attention_mask, T)
+    real = completion_mask.bool()
+    assert not torch.allclose(trained[real], base_logprobs[real])
+    assert torch.allclose(ref[real], base_logprobs[real], atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def rm_short(sft_checkpoint, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("rm_lora"))
+    run("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "3", "--lora_r", "8",
+        "--policy_prompts", "16", "--samples_per_prompt", "2", "--num_eval_examples", "32", "--eval_steps", "3")
+    return out
+
+
+def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
+    """--lora_r 8 on every script; a LoRA run saves its adapter, and the next script loads it merged."""
+    short = ["--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1", "--lora_r", "8"]
+    sft_out = str(tmp_path / "sft")
+    run("sft.py", "--model", sft_checkpoint, "--output_dir", sft_out, "--max_steps", "3", *short)
+    assert os.path.isfile(os.path.join(sft_out, "adapter_model.safetensors"))
+    assert not os.path.isfile(os.path.join(sft_out, "model.safetensors"))
+    assert os.path.isfile(os.path.join(rm_short, "adapter_model.safetensors"))
+    rl = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"]
+    for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
+                                                                       "--reward_model", rm_short])):
+        out = str(tmp_path / script)
+        result = run(script, "--model", sft_out, "--output_dir", out, *extra, *short)  # starts from the LoRA SFT adapter
+        assert os.path.isfile(os.path.join(out, "adapter_model.safetensors")), script
+        assert "trained parameters" in result.stdout + result.stderr
+        rows = [row for row in read_metrics(out) if "kl" in row]
+        assert len(rows) == 2
+    # the PPO critic is a LoRA adapter on the reward model, with its value head trained
+    adapter = load_file(os.path.join(tmp_path / "ppo.py", "critic", "adapter_model.safetensors"))
+    assert any("score" in name for name in adapter)
+
+
+def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
+    """Peak resident memory of 2 GRPO steps on a 34M-parameter model: full fine-tuning holds
+    gradients, AdamW states and a reference copy of every weight; LoRA of the adapters only."""
+    tokenizer = common.build_tokenizer()
+    torch.manual_seed(0)
+    model = common.build_tiny_model(tokenizer, hidden_size=512, num_layers=8, num_heads=8)
+    folder = str(tmp_path / "model")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    # glibc keeps freed memory below its (adaptive) mmap threshold, so the process's peak RSS would
+    # track the allocator's history more than the live tensors; a fixed threshold returns it.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    peak = {}
+    for name, extra in (("full", []), ("lora", ["--lora_r", "8"])):
+        code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
+                "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+        result = subprocess.run([sys.executable, "-c", code, "grpo.py", "--model", folder, "--output_dir", str(tmp_path / name),
+                                 "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
+                                 "--max_completion_length", "16", "--eval_steps", "100", "--num_eval_examples", "4", *extra],
+                                cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        peak[name] = int(result.stdout.split("PEAK_KB")[1].split()[0]) / 1024
+    print(f"peak RSS of 2 GRPO steps, 34M parameters: full {peak['full']:.0f} MB, LoRA r=8 {peak['lora']:.0f} MB")
+    # 34M fp32 weights: gradients 135 MB + AdamW 270 MB + reference 135 MB that LoRA does not hold
+    assert peak["lora"] < peak["full"] - 200, peak
+
+
+# --- the public data schemas, from local files -------------------------------------------------
+GSM8K_ROWS = [  # openai/gsm8k, config 'main': question, answer = reasoning with <<calculator>> notes + '#### n'
+    {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                 "How many clips did Natalia sell altogether in April and May?",
+     "answer": "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether "
+               "in April and May.\n#### 72"},
+    {"question": "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+                 "How much did she earn?",
+     "answer": "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = "
+               "$<<0.2*50=10>>10.\n#### 10"},
+]
+RM_STATIC_ROWS = [  # Dahoas/rm-static: prompt, response, chosen, rejected
+    {"prompt": "\n\nHuman: What is the capital of France?\n\nAssistant:", "response": " Paris.",
+     "chosen": " The capital of France is Paris.", "rejected": " I like bread."},
+    {"prompt": "\n\nHuman: How many legs does a spider have?\n\nAssistant:", "response": " Eight.",
+     "chosen": " A spider has eight legs.", "rejected": " Spiders are scary."},
+]
+
+
+def _folder(tmp_path, name, rows):
+    folder = tmp_path / name
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
+
+
+def test_gsm8k_schema_answer_parsing_and_reward():
+    reasoning, number = common.split_gsm8k_answer(GSM8K_ROWS[0]["answer"])
+    assert number == "72" and "<<" not in reasoning and reasoning.startswith("Natalia sold 48/2 = 24 clips")
+    assert common.is_correct("<think>...</think><answer>72</answer>", GSM8K_ROWS[0]["answer"])
+    assert common.is_correct("<think>...</think><answer>$10.</answer>", GSM8K_ROWS[1]["answer"])
+    assert not common.is_correct("<think>...</think><answer>71</answer>", GSM8K_ROWS[0]["answer"])
+
+
+def test_sft_grpo_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
+    data = _folder(tmp_path, "gsm8k", GSM8K_ROWS)
+    short = ["--eval_steps", "100", "--warmup_steps", "1", "--max_completion_length", "160"]
+    run("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+        "--per_device_train_batch_size", "2", *short)
+    for script, batch in (("grpo.py", ["--per_device_train_batch_size", "8"]),  # 2 prompts x 4
+                          ("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"])):  # + 8 expert rows
+        run(script, "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / script),
+            "--max_steps", "1", "--num_generations", "4", *batch, *short)
+
+
+def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
+    data = _folder(tmp_path, "rm_static", RM_STATIC_ROWS)
+    run("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+        "--per_device_train_batch_size", "2", "--eval_steps", "100")
+    rm = str(tmp_path / "rm")
+    run("reward_model.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", rm, "--max_steps", "2",
+        "--per_device_train_batch_size", "2", "--policy_prompts", "0", "--eval_steps", "100")
+    out = str(tmp_path / "ppo")
+    run("ppo.py", "--model", sft_checkpoint, "--reward_model", rm, "--dataset", data, "--output_dir", out,
+        "--max_steps", "2", "--per_device_train_batch_size", "2", "--eval_steps", "100", "--warmup_steps", "1")
+    with open(os.path.join(out, "eval.json")) as f:
+        scores = json.load(f)
+    assert "score" in scores and "accuracy_sampled" not in scores  # no answers to check: the RM's held-out score
+
+
+@pytest.mark.parametrize("script, rows, message", [
+    ("sft.py", [{"question": "q"}], "has no column 'answer'"),
+    ("reward_model.py", [{"prompt": "p", "chosen": "c"}], "has no column 'rejected'"),
+    ("grpo.py", None, "line 2 is not valid JSON"),
+    ("ppo.py", [], "is empty"),
+])
+def test_bad_data_files_give_one_line_naming_file_and_line_or_column(sft_checkpoint, tmp_path, script, rows, message):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    text = ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{broken\n' if rows is None
+            else "".join(json.dumps(r) + "\n" for r in rows))
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text(text)
+    args = ["--reward_model", "rule"] if script == "ppo.py" else []
+    result = run(script, "--model", sft_checkpoint, "--dataset", str(folder), "--output_dir", str(tmp_path / "o"), *args,
+                 check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "train.jsonl" in result.stderr  # the sentence names the file
