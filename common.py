@@ -242,8 +242,10 @@ def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> t
     return transformers.LlamaForCausalLM(config)
 
 
-def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False):
+def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False, trust_remote_code: bool = False):
     """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence.
+    Weights are read from safetensors only (no pickle), and a model's own Python code runs only
+    with trust_remote_code (--trust_remote_code).
 
     scalar_head=True loads the transformer with a linear N -> 1 head instead of the LM head
     (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
@@ -253,9 +255,10 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     if is_local and not (is_adapter or os.path.isfile(os.path.join(name_or_path, "config.json"))):
         fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
-    head = dict(num_labels=1) if scalar_head else {}
+    head = dict(num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code) if scalar_head else dict(
+        use_safetensors=True, trust_remote_code=trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left")
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left", trust_remote_code=trust_remote_code)
         if is_adapter:  # the base model the adapter was trained on, with the adapter merged into its weights
             from peft import PeftConfig, PeftModel
 
@@ -264,8 +267,8 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
             model = PeftModel.from_pretrained(base, name_or_path).merge_and_unload()
         else:
             model = auto_class.from_pretrained(name_or_path, **head, dtype=torch.float32)
-    except OSError as error:  # not on disk and not reachable on the hub
-        fail(f"could not load model {name_or_path!r} ({str(error).splitlines()[0]})")
+    except Exception as error:  # not on disk, not reachable on the hub, or not a model
+        fail(f"could not load a model from {name_or_path!r} ({(str(error).splitlines() or [type(error).__name__])[0]})")
     if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -288,6 +291,140 @@ def save_checkpoint(model, tokenizer, output_dir: str):
 
 
 # ---------------------------------------------------------------------------------------------
+# Robustness: settings that cannot work, sequences too long, NaN/inf, resumable checkpoints
+# ---------------------------------------------------------------------------------------------
+SETTING_RULES = {  # field: (is the value usable?, what it must be); a script checks the fields it has
+    "max_steps": (lambda v: v >= 1, "at least 1"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "max_completion_length": (lambda v: v >= 1, "at least 1 token"),
+    "num_generations": (lambda v: v >= 2, "at least 2: the advantage compares completions within a group"),
+    "learning_rate": (lambda v: v > 0, "positive"),
+    "critic_learning_rate": (lambda v: v > 0, "positive"),
+    "temperature": (lambda v: v > 0, "positive"),
+    "epsilon": (lambda v: v > 0, "positive (the clip range of the ratio)"),
+    "cliprange": (lambda v: v > 0, "positive (the clip range of the ratio)"),
+    "cliprange_value": (lambda v: v > 0, "positive"),
+    "beta": (lambda v: v >= 0, "0 or more"),
+    "kl_coef": (lambda v: v >= 0, "0 or more"),
+    "mu": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "expert_data_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "min_lr_rate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lora_r": (lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "num_iterations": (lambda v: v >= 1, "at least 1"),
+    "num_ppo_epochs": (lambda v: v >= 1, "at least 1"),
+    "num_mini_batches": (lambda v: v >= 1, "at least 1"),
+    "eval_steps": (lambda v: v >= 1, "at least 1"),
+    "logging_steps": (lambda v: v >= 1, "at least 1"),
+    "save_steps": (lambda v: v >= 1, "at least 1"),
+    "warmup_steps": (lambda v: v >= 0, "0 or more"),
+}
+
+
+def check_settings(cfg):
+    """One clear sentence for the first setting that cannot work (before anything is loaded or written)."""
+    for field in dataclasses.fields(cfg):
+        if field.name in SETTING_RULES:
+            usable, must_be = SETTING_RULES[field.name]
+            if not usable(getattr(cfg, field.name)):
+                fail(f"--{field.name} must be {must_be}, not {getattr(cfg, field.name)}")
+    if getattr(cfg, "resume", False) and not any(
+            os.path.isfile(os.path.join(cfg.output_dir, name, "state.pt")) for name in ("checkpoint", "checkpoint.old")):
+        fail(f"--resume: no checkpoint in {cfg.output_dir} (one is written every --save_steps steps)")
+
+
+def check_fits_context(model, num_tokens: int, what: str):
+    """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
+    rather than let them fail deep inside a forward pass."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and num_tokens > context:
+        fail(f"{what} needs {num_tokens} tokens, more than the model's context of {context}: "
+             "shorten the prompts or --max_completion_length")
+
+
+def longest_prompt(tokenizer, questions, system_prompt: str) -> int:
+    """Tokens in the longest chat prompt made from `questions`."""
+    prompts = [make_prompt(tokenizer, q, system_prompt) for q in questions]
+    return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+
+
+def check_finite(step: int, **values):
+    """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
+    applied: the last checkpoint written stays the last good one. Pass the gradient norm first:
+    under torchrun it is the same on every process, so all of them stop at the same line."""
+    for name, value in values.items():
+        value = float(value.detach()) if torch.is_tensor(value) else float(value)
+        if not math.isfinite(value):
+            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update "
+                 "(the last checkpoint is kept). A lower --learning_rate usually helps")
+
+
+def save_training_state(output_dir: str, step: int, results: dict, models, optimizers, schedulers, rng):
+    """A resumable checkpoint in <output_dir>/checkpoint/: the weights, optimizer and scheduler
+    states, every random generator (of every process) and the step, so that --resume continues
+    exactly where the run was, bit for bit on the same machine.
+
+    Written atomically: into checkpoint.tmp, then swapped in by two renames. A kill at any moment
+    leaves a whole checkpoint: the new one, or the previous one (as checkpoint, or, if the kill
+    fell between the renames, as checkpoint.old, which load_training_state also reads)."""
+    generators = {"python": random.getstate(), "numpy": [np.random.get_state()[1].tolist(), *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
+                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "data": rng.getstate()}
+    if dist.is_initialized():  # every process draws its own samples: keep each one's generators
+        all_generators = [None] * dist.get_world_size()
+        dist.all_gather_object(all_generators, generators)
+    else:
+        all_generators = [generators]
+    if not is_main_process():
+        return
+    state = {"step": step, "results": results, "generators": all_generators,
+             "models": [m.state_dict() for m in models], "optimizers": [o.state_dict() for o in optimizers],
+             "schedulers": [s.state_dict() for s in schedulers]}
+    final, tmp, old = (os.path.join(output_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch.save(state, os.path.join(tmp, "state.pt"))
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_training_state(output_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
+    """Restore what save_training_state wrote (weights_only: tensors and plain values, no pickled
+    code) and keep the metrics.jsonl rows up to its step. Returns (step, results)."""
+    for name in ("checkpoint", "checkpoint.old"):  # .old: a kill fell between the two renames of a save
+        path = os.path.join(output_dir, name, "state.pt")
+        if os.path.isfile(path):
+            break
+    else:
+        fail(f"--resume: no checkpoint in {output_dir} (one is written every --save_steps steps)")
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    for model, saved in zip(models, state["models"]):
+        model.load_state_dict(saved)
+    for optimizer, saved in zip(optimizers, state["optimizers"]):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(saved)
+    generators = state["generators"][dist.get_rank() if dist.is_initialized() else 0]
+    random.setstate(generators["python"])
+    np.random.set_state(("MT19937", np.array(generators["numpy"][0], dtype=np.uint32), *generators["numpy"][1:]))
+    torch.set_rng_state(generators["torch"])
+    if generators["cuda"]:
+        torch.cuda.set_rng_state_all(generators["cuda"])
+    rng.setstate(generators["data"])
+    if is_main_process():  # the metrics logged after the checkpoint will be logged again
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
+        with open(os.path.join(output_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(kept)
+    log(f"resumed from {path} at step {state['step']}")
+    return state["step"], state["results"]
+
+
+# ---------------------------------------------------------------------------------------------
 # LoRA (peft), precision and memory
 # ---------------------------------------------------------------------------------------------
 def add_lora(model, cfg, scalar_head: bool = False):
@@ -299,8 +436,6 @@ def add_lora(model, cfg, scalar_head: bool = False):
     reference policy: see reference_model."""
     from peft import LoraConfig, get_peft_model
 
-    if cfg.lora_r <= 0:
-        fail(f"--lora_r must be a positive rank, not {cfg.lora_r} (leave it out to train every weight)")
     targets = cfg.lora_target_modules
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets if targets == "all-linear" else targets.split(","),
@@ -352,6 +487,8 @@ def memory_estimate(trained_models, frozen_models=()) -> str:
 def load_split(dataset: str, split: str, columns=("question", "answer"), config_name: str = "main"):
     """One split as a datasets.Dataset: `<dataset>/<split>.jsonl` if `dataset` is a local folder,
     else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test')."""
+    if dataset.startswith(("/", ".", "~")) and not os.path.isdir(dataset):  # a path, not a hub id
+        fail(f"no dataset folder {dataset} (a folder of train.jsonl / test.jsonl, or a hub dataset id)")
     if os.path.isdir(dataset):
         path = os.path.join(dataset, f"{split}.jsonl")
         if not os.path.isfile(path):

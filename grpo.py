@@ -86,6 +86,12 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    save_steps: int = 20
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +191,7 @@ def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps) -> float:
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    if cfg.num_generations < 2:
-        common.fail("--num_generations must be at least 2: the advantage compares completions within a group")
+    common.check_settings(cfg)
     if cfg.per_device_train_batch_size % cfg.num_generations:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_generations ({cfg.num_generations})")
@@ -205,7 +210,9 @@ def main(cfg: Config):
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
     if len(train_data) < num_prompts:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]), cfg.system_prompt)
+    common.check_fits_context(model, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
@@ -219,9 +226,7 @@ def main(cfg: Config):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
-    common.start_output_dir(cfg.output_dir)
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="grpo", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
@@ -231,7 +236,17 @@ def main(cfg: Config):
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
-    initial = evaluate(0)
+    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
+    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
+    if cfg.resume:  # continue exactly where the last checkpoint stopped
+        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        initial, scores = results["initial"], results["scores"]
+    else:
+        common.start_output_dir(cfg.output_dir)
+        first_step, initial = 0, evaluate(0)
+        scores = initial
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="grpo",
+                    dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
         t0 = time.perf_counter()
@@ -275,6 +290,7 @@ def main(cfg: Config):
             loss.backward()
             common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
             optimizer.step()
             scheduler.step()
             time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
@@ -305,6 +321,8 @@ def main(cfg: Config):
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
+            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

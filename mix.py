@@ -97,6 +97,12 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    save_steps: int = 20
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,10 +296,7 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    if cfg.num_generations < 2:
-        common.fail("--num_generations must be at least 2: the advantage compares completions within a group")
-    if not (0 <= cfg.mu <= 1 and 0 <= cfg.expert_data_ratio <= 1):
-        common.fail(f"--mu ({cfg.mu}) and --expert_data_ratio ({cfg.expert_data_ratio}) must lie in [0, 1]")
+    common.check_settings(cfg)
     num_expert = math.ceil(cfg.expert_data_ratio * cfg.per_device_train_batch_size)  # E expert rows per step
     num_usual = cfg.per_device_train_batch_size - num_expert  # B*G rollout rows per step
     if num_usual < cfg.num_generations or num_usual % cfg.num_generations:
@@ -314,7 +317,9 @@ def main(cfg: Config):
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
     if len(train_data) < num_prompts:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]), cfg.system_prompt)
+    common.check_fits_context(model, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
@@ -326,6 +331,9 @@ def main(cfg: Config):
         common.fail(f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, fewer than the {num_expert} a step needs")
     common.log(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
                f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
+    if expert_examples:
+        common.check_fits_context(model, max(len(p) + len(a) for p, a in expert_examples),
+                                  f"the longest expert example of {cfg.expert_dataset}")
     # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
     # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
@@ -333,9 +341,7 @@ def main(cfg: Config):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
-    common.start_output_dir(cfg.output_dir)
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="mix", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
@@ -345,7 +351,17 @@ def main(cfg: Config):
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
-    initial = evaluate(0)
+    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
+    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
+    if cfg.resume:  # continue exactly where the last checkpoint stopped
+        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        initial, scores = results["initial"], results["scores"]
+    else:
+        common.start_output_dir(cfg.output_dir)
+        first_step, initial = 0, evaluate(0)
+        scores = initial
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="mix",
+                    dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
         t0 = time.perf_counter()
@@ -399,6 +415,7 @@ def main(cfg: Config):
             loss.backward()
             common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
             optimizer.step()
             scheduler.step()
             time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
@@ -437,6 +454,8 @@ def main(cfg: Config):
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
+            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

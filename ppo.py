@@ -96,6 +96,12 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    save_steps: int = 20
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +258,7 @@ def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
+    common.check_settings(cfg)
     if cfg.per_device_train_batch_size % cfg.num_mini_batches:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_mini_batches ({cfg.num_mini_batches})")
@@ -273,7 +280,9 @@ def main(cfg: Config):
     if len(train_data) < cfg.per_device_train_batch_size:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than --per_device_train_batch_size "
                     f"({cfg.per_device_train_batch_size})")
-    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first")
+    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]), cfg.system_prompt)
+    common.check_fits_context(actor, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the actor is frozen, adapters are trained
@@ -283,10 +292,10 @@ def main(cfg: Config):
     # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
     reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
     if cfg.reward_model == "rule":
-        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True)[0]  # critic: fresh value head
+        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]  # critic: fresh value head
     else:
         hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True)[0]
+        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
         reward_model.to(device).eval().requires_grad_(False)
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
     if cfg.gradient_checkpointing:
@@ -302,9 +311,7 @@ def main(cfg: Config):
     num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates, cfg.min_lr_rate)
                   for opt in (actor_optimizer, critic_optimizer)]
-    common.start_output_dir(cfg.output_dir)
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="ppo", dynamic_ncols=True, disable=not common.is_main_process())
 
     def evaluate(step):
         if not has_answers:
@@ -319,7 +326,17 @@ def main(cfg: Config):
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
 
-    initial = evaluate(0)
+    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
+    training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer], schedulers=schedulers, rng=rng)
+    if cfg.resume:  # continue exactly where the last checkpoint stopped
+        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        initial, scores = results["initial"], results["scores"]
+    else:
+        common.start_output_dir(cfg.output_dir)
+        first_step, initial = 0, evaluate(0)
+        scores = initial
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="ppo",
+                    dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         # 1. Rollout: the actor decodes one completion per prompt.
         t0 = time.perf_counter()
@@ -369,7 +386,8 @@ def main(cfg: Config):
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     common.average_gradients(model)  # DDP: the same update on every process
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
                     optimizer.step()
                 for scheduler in schedulers:
                     scheduler.step()
@@ -411,6 +429,8 @@ def main(cfg: Config):
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
+            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
 
     common.save_checkpoint(actor, tokenizer, cfg.output_dir)
     os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)

@@ -77,6 +77,12 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    save_steps: int = 100
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
 
 
 def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
@@ -164,6 +170,7 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
 
 
 def main(cfg: Config):
+    common.check_settings(cfg)
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
@@ -174,7 +181,8 @@ def main(cfg: Config):
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
 
     # The SFT model with a fresh N -> 1 head in place of its LM head.
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True)
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True,
+                                         trust_remote_code=cfg.trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -194,7 +202,7 @@ def main(cfg: Config):
         if common.extract_answer(train_data[0]["chosen"]) is None:
             common.fail(f"--policy_prompts needs chosen answers with <answer> tags, and {cfg.dataset} has none: "
                         "pass --policy_prompts 0")
-        policy = common.load_model(cfg.model)[0].to(device)
+        policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)[0].to(device)
         train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
         # DDP: each process samples on its own share of the prompts
         extra = policy_pairs(policy, tokenizer, train_prompts.shard(world_size, rank, contiguous=True),
@@ -210,10 +218,20 @@ def main(cfg: Config):
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
-    common.start_output_dir(cfg.output_dir)
+    common.check_fits_context(model, max(len(p) + max(len(c), len(r)) for p, c, r in train_pairs),
+                              f"the longest pair of {cfg.dataset} (see --max_length)")
     rng = random.Random(cfg.seed + rank)
+    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
+    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
+    if cfg.resume:  # continue exactly where the last checkpoint stopped
+        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+    else:
+        common.start_output_dir(cfg.output_dir)
+        first_step, results = 0, {"scores": None}
+    scores = results["scores"]
 
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="reward model", dynamic_ncols=True, disable=not common.is_main_process())
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="reward model",
+                    dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         t0 = time.perf_counter()
         input_ids, attention_mask = collate(rng.sample(train_pairs, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
@@ -224,6 +242,7 @@ def main(cfg: Config):
         loss.backward()
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
         optimizer.step()
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
@@ -248,6 +267,8 @@ def main(cfg: Config):
             common.log(message)
         if metrics:
             common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
+            common.save_training_state(cfg.output_dir, step, {"scores": scores}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

@@ -68,6 +68,12 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    save_steps: int = 100
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -126,6 +132,7 @@ def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
 
 
 def main(cfg: Config):
+    common.check_settings(cfg)
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
@@ -145,7 +152,7 @@ def main(cfg: Config):
         tokenizer = common.build_tokenizer()
         model = common.build_tiny_model(tokenizer)
     else:
-        model, tokenizer = common.load_model(cfg.model)
+        model, tokenizer = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
@@ -156,16 +163,25 @@ def main(cfg: Config):
     if len(examples) < cfg.per_device_train_batch_size:
         common.fail(f"{cfg.dataset} has {len(examples)} training answers that fit in --max_completion_length "
                     f"{cfg.max_completion_length}, fewer than --per_device_train_batch_size {cfg.per_device_train_batch_size}")
+    common.check_fits_context(model, max(len(p) + len(a) for p, a in examples), f"the longest example of {cfg.dataset}")
     num_params = sum(p.numel() for p in model.parameters())
     common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
                f"{world_size} process(es)\n{common.memory_estimate([model])}")
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
-    common.start_output_dir(cfg.output_dir)
     rng = random.Random(cfg.seed + rank)
+    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
+    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
+    if cfg.resume:  # continue exactly where the last checkpoint stopped
+        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+    else:
+        common.start_output_dir(cfg.output_dir)
+        first_step, results = 0, {"scores": None}
+    scores = results["scores"]
 
-    progress = tqdm(range(1, cfg.max_steps + 1), desc="sft", dynamic_ncols=True, disable=not common.is_main_process())
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="sft",
+                    dynamic_ncols=True, disable=not common.is_main_process())
     for step in progress:
         t0 = time.perf_counter()
         input_ids, attention_mask, answer_mask = collate(rng.sample(examples, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
@@ -178,6 +194,7 @@ def main(cfg: Config):
         loss.backward()
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
         optimizer.step()
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
@@ -200,6 +217,8 @@ def main(cfg: Config):
                        f"sampled {scores['accuracy_sampled']:.1%}")
         if metrics:
             common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
+            common.save_training_state(cfg.output_dir, step, {"scores": scores}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

@@ -144,37 +144,6 @@ def test_expert_data_is_correct_and_disjoint_from_sft_and_test_problems():
             assert grpo.FORMAT.match(assistant)
 
 
-def _expert_file(tmp_path, lines):
-    path = tmp_path / "expert.jsonl"
-    path.write_text("".join(lines))
-    return str(path)
-
-
-@pytest.mark.parametrize("lines, message", [
-    ([], "is empty"),
-    (['{"messages": [{"role": "user", "content": "hi"}]}\n'], "line 1 does not end with an assistant message"),
-    (['{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n', "{not json\n"],
-     "line 2 is not valid JSON"),
-    (['{"conversation": []}\n'], "has no column 'messages'"),
-])
-def test_bad_expert_data_is_one_clear_sentence(sft_checkpoint, tmp_path, lines, message):
-    result = run("mix.py", "--model", sft_checkpoint, "--expert_dataset", _expert_file(tmp_path, lines),
-                 "--output_dir", str(tmp_path / "o"), check=False)
-    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-
-
-@pytest.mark.parametrize("args, message", [
-    (["--mu", "1.5"], "must lie in [0, 1]"),
-    (["--expert_data_ratio", "-0.1"], "must lie in [0, 1]"),
-    (["--per_device_train_batch_size", "128", "--expert_data_ratio", "0.3"], "positive multiple of --num_generations"),
-    (["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.9"], "positive multiple of --num_generations"),
-    (["--expert_dataset", "/nonexistent/expert.jsonl"], "no data file /nonexistent/expert.jsonl"),
-])
-def test_mix_rejects_bad_settings(sft_checkpoint, tmp_path, args, message):
-    result = run("mix.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path), *args, check=False)
-    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-
-
 def test_mix_help_documents_every_field():
     help_text = run("mix.py", "--help").stdout
     for field in mix.Config.__dataclass_fields__:

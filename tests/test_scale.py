@@ -131,7 +131,7 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
 
 
 def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
-    """Peak resident memory of 2 GRPO steps on a 34M-parameter model: full fine-tuning holds
+    """Peak resident memory of a GRPO step on a 34M-parameter model: full fine-tuning holds
     gradients, AdamW states and a reference copy of every weight; LoRA of the adapters only."""
     tokenizer = common.build_tokenizer()
     torch.manual_seed(0)
@@ -147,12 +147,12 @@ def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
         code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
                 "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         result = subprocess.run([sys.executable, "-c", code, "grpo.py", "--model", folder, "--output_dir", str(tmp_path / name),
-                                 "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
-                                 "--max_completion_length", "16", "--eval_steps", "100", "--num_eval_examples", "4", *extra],
+                                 "--max_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4",
+                                 "--max_completion_length", "16", "--eval_steps", "100", "--num_eval_examples", "2", *extra],
                                 cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-2000:]
         peak[name] = int(result.stdout.split("PEAK_KB")[1].split()[0]) / 1024
-    print(f"peak RSS of 2 GRPO steps, 34M parameters: full {peak['full']:.0f} MB, LoRA r=8 {peak['lora']:.0f} MB")
+    print(f"peak RSS of a GRPO step, 34M parameters: full {peak['full']:.0f} MB, LoRA r=8 {peak['lora']:.0f} MB")
     # 34M fp32 weights: gradients 135 MB + AdamW 270 MB + reference 135 MB that LoRA does not hold
     assert peak["lora"] < peak["full"] - 200, peak
 
@@ -192,13 +192,12 @@ def test_gsm8k_schema_answer_parsing_and_reward():
     assert not common.is_correct("<think>...</think><answer>71</answer>", GSM8K_ROWS[0]["answer"])
 
 
-def test_sft_grpo_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
+def test_sft_and_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "gsm8k", GSM8K_ROWS)
     short = ["--eval_steps", "100", "--warmup_steps", "1", "--max_completion_length", "160"]
     run("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
         "--per_device_train_batch_size", "2", *short)
-    for script, batch in (("grpo.py", ["--per_device_train_batch_size", "8"]),  # 2 prompts x 4
-                          ("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"])):  # + 8 expert rows
+    for script, batch in (("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"]),):  # 2 prompts x 4 + 8 expert rows
         run(script, "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / script),
             "--max_steps", "1", "--num_generations", "4", *batch, *short)
 
@@ -216,23 +215,3 @@ def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
     with open(os.path.join(out, "eval.json")) as f:
         scores = json.load(f)
     assert "score" in scores and "accuracy_sampled" not in scores  # no answers to check: the RM's held-out score
-
-
-@pytest.mark.parametrize("script, rows, message", [
-    ("sft.py", [{"question": "q"}], "has no column 'answer'"),
-    ("reward_model.py", [{"prompt": "p", "chosen": "c"}], "has no column 'rejected'"),
-    ("grpo.py", None, "line 2 is not valid JSON"),
-    ("ppo.py", [], "is empty"),
-])
-def test_bad_data_files_give_one_line_naming_file_and_line_or_column(sft_checkpoint, tmp_path, script, rows, message):
-    folder = tmp_path / "data"
-    folder.mkdir()
-    text = ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{broken\n' if rows is None
-            else "".join(json.dumps(r) + "\n" for r in rows))
-    for split in ("train", "test"):
-        (folder / f"{split}.jsonl").write_text(text)
-    args = ["--reward_model", "rule"] if script == "ppo.py" else []
-    result = run(script, "--model", sft_checkpoint, "--dataset", str(folder), "--output_dir", str(tmp_path / "o"), *args,
-                 check=False)
-    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert "train.jsonl" in result.stderr  # the sentence names the file

@@ -63,16 +63,6 @@ def test_grpo_without_sft_checkpoint_says_what_to_run(tmp_path):
     assert "run `python sft.py` first" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--num_generations", "1"], "at least 2"),
-    (["--per_device_train_batch_size", "12", "--num_generations", "8"], "must be a multiple"),
-    (["--loss_type", "mean"], "must be 'grpo' or 'dapo'"),
-])
-def test_grpo_rejects_bad_settings(sft_checkpoint, tmp_path, args, message):
-    result = run("grpo.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path), *args, check=False)
-    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
-
-
 @pytest.mark.parametrize("script", ["sft.py", "grpo.py"])
 def test_help_documents_every_field(script):
     help_text = run(script, "--help").stdout
