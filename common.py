@@ -7,6 +7,7 @@ Each algorithm itself (SFT, reward model, PPO, GRPO, MIX) lives in its own scrip
 import argparse
 import ast
 import contextlib
+import copy
 import dataclasses
 import inspect
 import json
@@ -274,13 +275,17 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     return model, tokenizer
 
 
-def save_checkpoint(model, tokenizer, output_dir: str):
+def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
     """Write model + tokenizer to a temporary folder first, then move the files into place, so a
     crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
-    is the adapter only (adapter_config.json names the base model; load_model merges them).
+    is the adapter only (adapter_config.json names the base model; load_model merges them), and
+    with merge_lora also the adapter merged into a copy of its base, in <output_dir>/merged.
     Rank 0 only."""
     if not is_main_process():
         return
+    if merge_lora and hasattr(model, "merge_and_unload"):
+        os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)
+        save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

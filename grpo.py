@@ -92,6 +92,8 @@ class Config:
     """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
     trust_remote_code: bool = False
     """let a hub model run its own Python code (off: only its weights and config are loaded)"""
+    merge_lora: bool = False
+    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +326,7 @@ def main(cfg: Config):
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
             common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
 
-    common.save_checkpoint(model, tokenizer, cfg.output_dir)
+    common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
     png = common.plot_metrics(
         cfg.output_dir,

@@ -120,11 +120,15 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
                                                                        "--reward_model", rm_short])):
         out = str(tmp_path / script)
-        result = run(script, "--model", sft_out, "--output_dir", out, *extra, *short)  # starts from the LoRA SFT adapter
+        result = run(script, "--model", sft_out, "--output_dir", out, *extra, *short,  # starts from the LoRA SFT adapter
+                     *(["--merge_lora", "true"] if script == "grpo.py" else []))
         assert os.path.isfile(os.path.join(out, "adapter_model.safetensors")), script
         assert "trained parameters" in result.stdout + result.stderr
         rows = [row for row in read_metrics(out) if "kl" in row]
         assert len(rows) == 2
+    # --merge_lora: a plain model folder, the adapter folded into the base weights, loads like any checkpoint
+    merged, _ = common.load_model(str(tmp_path / "grpo.py" / "merged"))
+    assert not hasattr(merged, "peft_config") and os.path.isfile(tmp_path / "grpo.py" / "merged" / "model.safetensors")
     # the PPO critic is a LoRA adapter on the reward model, with its value head trained
     adapter = load_file(os.path.join(tmp_path / "ppo.py", "critic", "adapter_model.safetensors"))
     assert any("score" in name for name in adapter)
