@@ -96,7 +96,7 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
     Two schemas: GSM8K's (question, answer = reasoning + '#### n', written as note 002's
     <think>reasoning</think><answer>n</answer>), or a preference dataset's such as
     Dahoas/rm-static (prompt, chosen: SFT imitates the chosen response, note 000)."""
-    if "question" in data.column_names:
+    if "question" in (data.column_names if hasattr(data, "column_names") else data):  # a Dataset, or a dict of columns
         rows = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q, a in zip(data["question"], data["answer"])]
     else:
         rows = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]

@@ -1,0 +1,76 @@
+"""What the walkthrough notebooks share: the small checkpoints they start from, and two plots.
+
+The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.main`) with short
+configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
+and reused after that. Same config and seed, same checkpoint: the notebooks' outputs reproduce.
+"""
+import json
+import os
+
+import matplotlib
+import numpy as np
+
+import reward_model
+import sft
+
+OUT = os.environ.get("RLHF_NOTEBOOKS_OUT", "out/notebooks")
+
+# 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets ~45% of the sums,
+# so RL groups hold both right and wrong answers. (The README's full run is 700 steps.)
+SFT_CONFIG = sft.Config(max_steps=300, eval_steps=300, num_eval_examples=64, output_dir=f"{OUT}/sft")
+# A short reward model on the shipped pairs plus pairs from the SFT policy's samples on 64 prompts.
+RM_CONFIG = reward_model.Config(model=SFT_CONFIG.output_dir, max_steps=100, policy_prompts=64, eval_steps=50,
+                                num_eval_examples=200, output_dir=f"{OUT}/rm")
+
+
+def run(main, cfg):
+    """A script's main(cfg), then the notebook's own matplotlib backend back
+    (common.plot_metrics switches to Agg to write its PNG, which would hide the inline plots)."""
+    backend = matplotlib.get_backend()
+    main(cfg)
+    matplotlib.use(backend)
+    return cfg.output_dir
+
+
+def checkpoint(main, cfg):
+    """cfg.output_dir, trained by main(cfg) first unless it already holds a model."""
+    if os.path.isfile(os.path.join(cfg.output_dir, "model.safetensors")):
+        print(f"reusing {cfg.output_dir} (delete it to train it again)")
+        return cfg.output_dir
+    return run(main, cfg)
+
+
+def sft_policy():
+    """The SFT policy every RL notebook starts from (and its reference policy)."""
+    return checkpoint(sft.main, SFT_CONFIG)
+
+
+def reward_checkpoint():
+    """The reward model PPO scores with and starts its critic from."""
+    sft_policy()
+    return checkpoint(reward_model.main, RM_CONFIG)
+
+
+def read_metrics(output_dir):
+    """metrics.jsonl as a list of dicts."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def curve(ax, rows, key, **kwargs):
+    """One metric against the step, from read_metrics rows that have it."""
+    points = [(row["step"], row[key]) for row in rows if key in row]
+    ax.plot(*zip(*points), marker="o", markersize=3, label=key, **kwargs)
+
+
+def token_heatmap(ax, values, mask, title, symmetric=True, cmap="coolwarm"):
+    """values [N, T] as a heatmap, one row per sequence, one column per completion token;
+    positions where mask [N, T] is 0 (after EOS, padding) are left blank. Red > 0, blue < 0 by default."""
+    shown = np.where(mask.bool().cpu().numpy(), values.detach().float().cpu().numpy(), np.nan)
+    limit = np.nanmax(np.abs(shown)) if symmetric else None
+    image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap,
+                      vmin=-limit if symmetric else None, vmax=limit)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("completion token t")
+    ax.figure.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    return image
