@@ -8,6 +8,7 @@ import argparse
 import ast
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import inspect
 import json
@@ -33,7 +34,6 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    GenerationConfig,
     LlamaConfig,
 )
 
@@ -94,6 +94,22 @@ def get_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def keep_freed_memory():
+    """Speed (Linux): glibc gives each large freed tensor back to the OS, and the next step's tensors
+    page-fault that memory in again; keeping freed memory for reuse makes a tiny-model step ~15%
+    faster. Runs once, at import; does nothing without glibc (macOS, Windows)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's option numbers (malloc.h)
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # tensors up to 32 MB come from the reusable heap, not mmap
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # keep up to 1 GB of freed heap instead of returning it
+
+
+keep_freed_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,30 +617,44 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 @torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
-    """Rollout: the policy decodes a completion for each prompt (HF generate, KV cache).
+    """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
 
-    Prompts are left padded, so all completions start at the same column P. A row that emits EOS
-    early is padded after it; its mask keeps the first EOS (the model chose to stop: that is an
-    action too) and drops everything after it.
+    At each step: logits of the last position -> sample a token from softmax(logits / temperature)
+    (or take the argmax when greedy) -> feed it back. Prompts are left padded, so all completions
+    start at the same column P. A row that emits EOS stops there and is padded after it; its mask
+    keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
 
     Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # sample the raw policy
-    generation_config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **(dict(do_sample=False) if greedy else sampling),
-    )
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with autocast(model):
-        sequences = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config)
+        cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
+        rows = torch.arange(len(prompts), device=device)  # the rows still writing
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        for t in range(max_new_tokens):
+            next_logits = logits[:, -1].float()  # [b, V]
+            if greedy:
+                next_tokens = next_logits.argmax(dim=-1)  # [b]
+            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
+                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
+            completion_ids[rows, t] = next_tokens
+            writing = next_tokens != tokenizer.eos_token_id  # [b]
+            if t == max_new_tokens - 1 or not writing.any():
+                break
+            if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
+                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                cache.batch_select_indices(writing.nonzero().squeeze(1))
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions + 1
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+                           past_key_values=cache, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
-    completion_ids = sequences[:, prompt_ids.shape[1] :]  # [B, T]
+    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
 
 
@@ -645,6 +675,29 @@ def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def prompt_cache(model, prompt_ids, prompt_mask):
+    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
+
+    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
+    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
+    every log-prob pass, with the same results (gradients flow back through the copies).
+    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
+    """
+    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
+    first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
+    first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
+    mask = prompt_mask[first_row]  # [U, P]
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
+    return out.past_key_values, out.logits[row_to_prompt]
+
+
+def prompts_repeat(prompt_ids) -> bool:
+    """True if some rows share a prompt (then prompt_cache saves work)."""
+    return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
+
+
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                         with_entropy: bool = False):
     """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
@@ -657,15 +710,20 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
     -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
     """
+    T = num_completion_tokens
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with autocast(model):
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=num_completion_tokens + 1,
-        ).logits[:, :-1] / temperature  # [B, T, V]
-    logprobs = gather_logprobs(logits, input_ids[:, -num_completion_tokens:])
+        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1).logits[:, :-1]  # [B, T, V]
+        else:  # the last prompt position predicts the first completion token; the completion the rest
+            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [B, 1, V]
+            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
+                                      position_ids=position_ids[:, -T:], past_key_values=cache).logits
+            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [B, T, V]
+    logits = logits / temperature
+    logprobs = gather_logprobs(logits, input_ids[:, -T:])
     if not with_entropy:
         return logprobs
     with torch.no_grad():

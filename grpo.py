@@ -230,10 +230,13 @@ def main(cfg: Config):
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
 
+    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
+
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+                                            "eval/accuracy_sampled": scores["accuracy_sampled"],
+                                            "time/elapsed": time.perf_counter() - started})
         common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
@@ -242,6 +245,7 @@ def main(cfg: Config):
     training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
         first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        started -= results.get("elapsed", 0.0)
         initial, scores = results["initial"], results["scores"]
     else:
         common.start_output_dir(cfg.output_dir)
@@ -316,6 +320,7 @@ def main(cfg: Config):
             "time/generation": t1 - t0,
             "time/logprobs": time_logprobs,
             "time/backward": time_backward,
+            "time/step": time.perf_counter() - t0,  # the whole step: rollout, rewards, passes, update
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(cfg.output_dir, metrics)
@@ -324,7 +329,7 @@ def main(cfg: Config):
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
+            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

@@ -315,6 +315,8 @@ def main(cfg: Config):
                   for opt in (actor_optimizer, critic_optimizer)]
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts
 
+    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
+
     def evaluate(step):
         if not has_answers:
             scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length, cfg.system_prompt)
@@ -323,7 +325,8 @@ def main(cfg: Config):
             return scores
         scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+                                            "eval/accuracy_sampled": scores["accuracy_sampled"],
+                                            "time/elapsed": time.perf_counter() - started})
         common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
@@ -332,6 +335,7 @@ def main(cfg: Config):
     training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer], schedulers=schedulers, rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
         first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        started -= results.get("elapsed", 0.0)
         initial, scores = results["initial"], results["scores"]
     else:
         common.start_output_dir(cfg.output_dir)
@@ -424,6 +428,7 @@ def main(cfg: Config):
             "time/generation": t1 - t0,
             "time/logprobs": t2 - t1 + time_forward,  # the inference passes + the training forward passes
             "time/backward": time_backward,
+            "time/step": time.perf_counter() - t0,  # the whole step: rollout, rewards, passes, update
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(cfg.output_dir, metrics)
@@ -432,7 +437,7 @@ def main(cfg: Config):
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores}, **training_state)
+            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     common.save_checkpoint(actor, tokenizer, cfg.output_dir, cfg.merge_lora)
     os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)

@@ -173,10 +173,12 @@ def main(cfg: Config):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
     rng = random.Random(cfg.seed + rank)
+    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
     training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
         first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        started -= results.get("elapsed", 0.0)
     else:
         common.start_output_dir(cfg.output_dir)
         first_step, results = 0, {"scores": None}
@@ -214,13 +216,14 @@ def main(cfg: Config):
         elif step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
             metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                            "eval/accuracy_sampled": scores["accuracy_sampled"]})
+                            "eval/accuracy_sampled": scores["accuracy_sampled"],
+                            "time/elapsed": time.perf_counter() - started})
             common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
                        f"sampled {scores['accuracy_sampled']:.1%}")
         if metrics:
             common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"scores": scores}, **training_state)
+            common.save_training_state(cfg.output_dir, step, {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)

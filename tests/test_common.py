@@ -168,3 +168,56 @@ def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         common.parse_config(C, ["--help"])
     assert "turn it on" in capsys.readouterr().out
+
+
+def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
+    """Rows that share a prompt (GRPO's groups) run it once (common.prompt_cache): the log-probs
+    and the gradients are those of one plain forward pass over every row."""
+    path, tokenizer, _ = saved_tiny
+    model, tokenizer = common.load_model(str(path))
+    prompts = [common.make_prompt(tokenizer, q) for q in ("1+2=", "47+85+1000=", "9-3=") for _ in range(3)]
+    prompt_ids, prompt_mask = common.pad_left([tokenizer.encode(p, add_special_tokens=False) for p in prompts],
+                                              tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    completion_ids = torch.randint(0, 256, (len(prompts), 5))
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = 0  # a completion that ended early
+    input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    assert common.prompts_repeat(prompt_ids) and not common.prompts_repeat(prompt_ids[::3])
+
+    def logprobs_and_grads(shared: bool):
+        model.zero_grad()
+        if shared:
+            logprobs = common.completion_logprobs(model, input_ids, attention_mask, 5)
+        else:  # the plain pass, by hand
+            position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            logprobs = common.gather_logprobs(logits[:, -6:-1], completion_ids)
+        (logprobs * completion_mask).sum().backward()
+        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    shared, shared_grads = logprobs_and_grads(True)
+    plain, plain_grads = logprobs_and_grads(False)
+    assert torch.allclose(shared * completion_mask, plain * completion_mask, atol=1e-5)
+    for a, b in zip(shared_grads, plain_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_generate_greedy_equals_hf_generate(sft_checkpoint):
+    """Our rollout loop (prompt cache, rows leaving the batch at EOS) decodes exactly what
+    transformers' generate does, greedy, with repeated and unique prompts of different lengths."""
+    from transformers import GenerationConfig
+
+    model, tokenizer = common.load_model(sft_checkpoint)
+    prompts = [common.make_prompt(tokenizer, q) for q in ("12+345=", "7-80=", "123+456=", "1-999=") for _ in range(2)]
+    prompts += [common.make_prompt(tokenizer, q) for q in ("5+5=", "999-1=")]
+    _, _, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 40, greedy=True)
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    config = GenerationConfig(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id)
+    expected = model.generate(**encoded, generation_config=config)[:, encoded["input_ids"].shape[1]:]
+    expected_mask = common.mask_after_eos(expected, tokenizer.eos_token_id)
+    assert completion_ids.shape[1] == expected.shape[1]
+    assert torch.equal(completion_ids * completion_mask, expected * expected_mask)
+    lengths = completion_mask.sum(1)
+    assert lengths.min() < lengths.max()  # rows stopped at different steps: the batch shrank

@@ -1,0 +1,135 @@
+"""Speed benchmark: ppo.py, grpo.py and mix.py at their default tiny configs, and the same GRPO
+work through TRL's GRPOTrainer, one after the other on this machine. One command:
+
+    pip install -r benchmarks/requirements.txt     # trl: only the benchmark needs it
+    python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
+    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~15 min)
+
+Each run is its own process (so peak memory is its own), trains --steps steps from the shipped
+checkpoints, and is timed from the `time/*` fields of its metrics.jsonl (TRL: a callback timing
+each optimizer step). The first step is a warm-up and is left out; the table shows medians.
+  completions/s     = completions generated per step / seconds per step
+  tokens/s          = completion tokens generated per step / seconds per step
+  peak RSS          = the process's maximum resident memory (whole run: data, models, evaluation)
+"""
+import argparse
+import json
+import os
+import platform
+import resource
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = {  # name: (script, completions generated per step at its default config)
+    "ppo.py": ("ppo.py", 128),  # 128 prompts x 1 sample
+    "grpo.py": ("grpo.py", 128),  # 16 prompts x 8 samples
+    "mix.py": ("mix.py", 96),  # 12 prompts x 8 samples (+ 32 expert rows, not generated)
+    "TRL GRPOTrainer": ("benchmarks/trl_grpo.py", 128),  # grpo.py's settings
+}
+
+
+def child(script, args, result_file):
+    """Run one script in this process (started by main()), then record its peak resident memory."""
+    sys.argv = [script, *args]
+    sys.path.insert(0, ROOT)
+    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    with open(result_file, "w") as f:
+        json.dump({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)  # Linux: KiB
+
+
+def run(name, steps, workdir):
+    script, completions_per_step = RUNS[name]
+    out, result_file = os.path.join(workdir, name.split()[0].replace(".py", "")), os.path.join(workdir, "rss.json")
+    if script.startswith("benchmarks/"):
+        args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json")]
+    else:  # a short run: evaluate a few problems only, checkpoint once at the end
+        args = ["--max_steps", str(steps), "--output_dir", out, "--num_eval_examples", "8", "--eval_steps", str(steps),
+                "--save_steps", str(steps)]
+    start = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    peak = json.load(open(result_file))["peak_rss_mb"]
+    if script.startswith("benchmarks/"):
+        trl = json.load(open(os.path.join(workdir, "trl.json")))
+        step_s, length = trl["step_times"][1:], trl["completion_length"][1:]
+        split = {}
+    else:
+        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
+        step_s, length = [r["time/step"] for r in rows], [r["completion_length"] for r in rows]
+        split = {part: statistics.median(r[f"time/{part}"] for r in rows) for part in ("generation", "logprobs", "backward")}
+    seconds = statistics.median(step_s)
+    return {"name": name, "step_s": seconds, **split, "completions_per_s": completions_per_step / seconds,
+            "tokens_per_s": statistics.mean(length) * completions_per_step / seconds, "peak_rss_mb": peak, "wall_s": wall}
+
+
+CHAIN = ["sft.py", "reward_model.py", "ppo.py", "grpo.py", "mix.py"]  # the README's order; each reads out/sft (and out/rm)
+
+
+def run_chain(workdir):
+    """Every script at its defaults, one after the other (writing out/<script>): wall time and peak memory."""
+    results, result_file = [], os.path.join(workdir, "rss.json")
+    for script in CHAIN:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--child", script, result_file], cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        results.append({"name": script, "wall_s": time.perf_counter() - start, **json.load(open(result_file)),
+                        "eval": json.load(open(os.path.join(ROOT, "out", script.replace(".py", "").replace("reward_model", "rm"), "eval.json")))})
+        print(f"  {script}: {results[-1]['wall_s']:.0f} s, peak RSS {results[-1]['peak_rss_mb']:.0f} MB", flush=True)
+    print("\n| script | wall time (s) | peak RSS (MB) |\n|---|---|---|")
+    for r in results:
+        print(f"| {r['name']} | {r['wall_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    print(f"| the chain | {sum(r['wall_s'] for r in results):.0f} | {max(r['peak_rss_mb'] for r in results):.0f} |")
+    return results
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is a warm-up)")
+    parser.add_argument("--only", nargs="*", default=list(RUNS), help=f"a subset of: {', '.join(RUNS)}")
+    parser.add_argument("--chain", action="store_true", help="instead: time the whole default chain (sft.py ... mix.py)")
+    parser.add_argument("--output", default=None, help="the table as JSON (default out/bench/results.json or chain.json)")
+    args = parser.parse_args()
+    import torch  # only to print the setup
+
+    print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
+    os.makedirs(os.path.join(ROOT, "out/bench"), exist_ok=True)
+    if args.chain:
+        with tempfile.TemporaryDirectory() as workdir:
+            results = run_chain(workdir)
+        with open(args.output or os.path.join(ROOT, "out/bench/chain.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        return
+    results = []
+    with tempfile.TemporaryDirectory() as workdir:
+        for name in args.only:
+            results.append(run(name, args.steps, workdir))
+            r = results[-1]
+            print(f"  {name}: {r['step_s']:.2f} s/step, {r['completions_per_s']:.0f} completions/s ({r['wall_s']:.0f} s)", flush=True)
+
+    dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
+    print("\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s | peak RSS (MB) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'logprobs')} | {dash(r, 'backward')} "
+              f"| {r['completions_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    by_name = {r["name"]: r for r in results}
+    if "grpo.py" in by_name and "TRL GRPOTrainer" in by_name:
+        ratio = by_name["grpo.py"]["completions_per_s"] / by_name["TRL GRPOTrainer"]["completions_per_s"]
+        print(f"\ngrpo.py / TRL GRPOTrainer, completions/s at the same configuration: {ratio:.2f}x")
+    with open(args.output or os.path.join(ROOT, "out/bench/results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[4:], sys.argv[3])
+    else:
+        main()
