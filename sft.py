@@ -191,7 +191,9 @@ def main(cfg: Config):
         input_ids, attention_mask, answer_mask = collate(rng.sample(examples, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
         input_ids, attention_mask, answer_mask = input_ids.to(device), attention_mask.to(device), answer_mask.to(device)
 
-        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])  # [B, T]
+        # One pass, no length chunks: SFT's step is cheap already, and its seed-0 run stays bit for bit what
+        # it was before the RL speed-ups (reordering rows changes float rounding, which 700 steps amplify).
+        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1], length_chunks=1)  # [B, T]
         loss = sft_loss(logprobs, answer_mask)
         t1 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

@@ -2,17 +2,20 @@
 work through TRL's GRPOTrainer, one after the other on this machine. One command:
 
     pip install -r benchmarks/requirements.txt     # trl: only the benchmark needs it
-    python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
-    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~15 min)
+    python benchmarks/run.py                       # ~5 min on a 2-core laptop; needs out/sft and out/rm
+    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~14 min),
+                                                   # then docs/compare.png: accuracy vs step and vs wall-clock
 
-Each run is its own process (so peak memory is its own), trains --steps steps from the shipped
-checkpoints, and is timed from the `time/*` fields of its metrics.jsonl (TRL: a callback timing
-each optimizer step). The first step is a warm-up and is left out; the table shows medians.
+Each run is its own process (so peak memory is its own), trains --steps steps from out/sft (PPO:
+and out/rm), and is timed from the `time/*` fields of its metrics.jsonl (TRL: a callback timing
+each optimizer step). The first step of a run is a warm-up and is left out; the scripts take
+turns (--rounds), and the table shows medians over all their measured steps.
   completions/s     = completions generated per step / seconds per step
   tokens/s          = completion tokens generated per step / seconds per step
   peak RSS          = the process's maximum resident memory (whole run: data, models, evaluation)
 """
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -43,7 +46,8 @@ def child(script, args, result_file):
 
 
 def run(name, steps, workdir):
-    script, completions_per_step = RUNS[name]
+    """One short training run of `name` in its own process: its step times, completion lengths, peak RSS, wall time."""
+    script, _ = RUNS[name]
     out, result_file = os.path.join(workdir, name.split()[0].replace(".py", "")), os.path.join(workdir, "rss.json")
     if script.startswith("benchmarks/"):
         args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json")]
@@ -53,20 +57,24 @@ def run(name, steps, workdir):
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    peak = json.load(open(result_file))["peak_rss_mb"]
+    measured = {"wall_s": time.perf_counter() - start, **json.load(open(result_file))}
     if script.startswith("benchmarks/"):
         trl = json.load(open(os.path.join(workdir, "trl.json")))
-        step_s, length = trl["step_times"][1:], trl["completion_length"][1:]
-        split = {}
-    else:
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-        rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
-        step_s, length = [r["time/step"] for r in rows], [r["completion_length"] for r in rows]
-        split = {part: statistics.median(r[f"time/{part}"] for r in rows) for part in ("generation", "logprobs", "backward")}
-    seconds = statistics.median(step_s)
-    return {"name": name, "step_s": seconds, **split, "completions_per_s": completions_per_step / seconds,
-            "tokens_per_s": statistics.mean(length) * completions_per_step / seconds, "peak_rss_mb": peak, "wall_s": wall}
+        return {**measured, "step": trl["step_times"][1:], "length": trl["completion_length"][1:]}  # warm-up step left out
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
+    return {**measured, "step": [r["time/step"] for r in rows], "length": [r["completion_length"] for r in rows],
+            **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "logprobs", "backward")}}
+
+
+def summary(name, runs):
+    """Medians over every measured step of every round of one script."""
+    every = {key: [x for r in runs for x in r[key]] for key in runs[0] if isinstance(runs[0][key], list)}
+    seconds, per_step = statistics.median(every["step"]), RUNS[name][1]
+    return {"name": name, "step_s": seconds, "steps_measured": len(every["step"]),
+            **{part: statistics.median(every[part]) for part in ("generation", "logprobs", "backward") if part in every},
+            "completions_per_s": per_step / seconds, "tokens_per_s": statistics.mean(every["length"]) * per_step / seconds,
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs)}
 
 
 CHAIN = ["sft.py", "reward_model.py", "ppo.py", "grpo.py", "mix.py"]  # the README's order; each reads out/sft (and out/rm)
@@ -91,9 +99,11 @@ def run_chain(workdir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6, help="training steps per run (the first is a warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is a warm-up)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each script, interleaved; medians over all")
     parser.add_argument("--only", nargs="*", default=list(RUNS), help=f"a subset of: {', '.join(RUNS)}")
     parser.add_argument("--chain", action="store_true", help="instead: time the whole default chain (sft.py ... mix.py)")
+    parser.add_argument("--figure", default="docs/compare.png", help="with --chain: where the accuracy figure goes")
     parser.add_argument("--output", default=None, help="the table as JSON (default out/bench/results.json or chain.json)")
     args = parser.parse_args()
     import torch  # only to print the setup
@@ -101,18 +111,28 @@ def main():
     print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
     os.makedirs(os.path.join(ROOT, "out/bench"), exist_ok=True)
+    if not args.chain and not os.path.isfile(os.path.join(ROOT, "out/sft/config.json")):
+        sys.exit("error: the runs start from out/sft (and ppo.py from out/rm): run `python sft.py && python reward_model.py` first")
+    if not args.chain and "TRL GRPOTrainer" in args.only and importlib.util.find_spec("trl") is None:
+        sys.exit("error: trl is not installed: `pip install -r benchmarks/requirements.txt`, or leave it out with "
+                 "--only ppo.py grpo.py mix.py")
     if args.chain:
         with tempfile.TemporaryDirectory() as workdir:
             results = run_chain(workdir)
         with open(args.output or os.path.join(ROOT, "out/bench/chain.json"), "w") as f:
             json.dump(results, f, indent=1)
+        print()  # and the figure of held-out accuracy vs step and vs wall-clock, from the runs' metrics.jsonl
+        subprocess.run([sys.executable, "docs/compare_runs.py", "SFT=out/sft", "PPO=out/ppo", "GRPO=out/grpo", "MIX=out/mix", "--pipeline",
+                        "--title", "held-out accuracy, default runs, seed 0", "--output", args.figure], cwd=ROOT, check=True)
         return
-    results = []
+    runs = {name: [] for name in args.only}
     with tempfile.TemporaryDirectory() as workdir:
-        for name in args.only:
-            results.append(run(name, args.steps, workdir))
-            r = results[-1]
-            print(f"  {name}: {r['step_s']:.2f} s/step, {r['completions_per_s']:.0f} completions/s ({r['wall_s']:.0f} s)", flush=True)
+        for round in range(args.rounds):  # rounds interleave the scripts, so a slow spell of the machine hits all
+            for name in args.only:
+                runs[name].append(run(name, args.steps, workdir))
+                print(f"  round {round + 1}, {name}: median {statistics.median(runs[name][-1]['step']):.2f} s/step "
+                      f"({runs[name][-1]['wall_s']:.0f} s)", flush=True)
+    results = [summary(name, runs[name]) for name in args.only]
 
     dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
     print("\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s | peak RSS (MB) |")

@@ -1,9 +1,12 @@
 """Held-out accuracy of several runs side by side, read from their own metrics.jsonl files.
 
-    python docs/compare_runs.py GRPO=out/grpo MIX=out/mix --title "GRPO vs MIX" --output docs/grpo_vs_mix.png
+    python docs/compare_runs.py SFT=out/sft PPO=out/ppo GRPO=out/grpo MIX=out/mix --pipeline --output docs/compare.png
 
-Draws greedy and sampled held-out accuracy against the training step (one colour per run) and
-prints the same numbers as a table, so a README can quote exactly what the figure shows.
+Draws held-out accuracy (sampled, greedy) against the training step and against the wall-clock
+time of the run (`time/elapsed`, evaluations included), one colour per run, and prints the same
+numbers as a table, so a README can quote exactly what the figure shows. With --pipeline the
+runs after the first start from its checkpoint (SFT -> RL), so their steps and clocks are drawn
+from where the first run's ended (PPO's reward model, trained in between, is not on the clock).
 """
 import argparse
 import json
@@ -13,6 +16,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+KEYS = {"eval/accuracy_sampled": "sampled (mean of 4 at T=1)", "eval/accuracy_greedy": "greedy"}
 
 
 def read_evals(run_dir: str) -> list[dict]:
@@ -26,24 +31,36 @@ def main():
     parser.add_argument("runs", nargs="+", help="LABEL=FOLDER, one per run")
     parser.add_argument("--title", default="held-out accuracy")
     parser.add_argument("--output", default="comparison.png")
+    parser.add_argument("--pipeline", action="store_true", help="draw later runs from where the first one ended")
     args = parser.parse_args()
     runs = dict(run.split("=", 1) for run in args.runs)
+    first = read_evals(next(iter(runs.values())))[-1]
+    step0, clock0 = (first["step"], first.get("time/elapsed", 0.0)) if args.pipeline else (0, 0.0)
 
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
-    print(f"{'run':<14}" + "".join(f"{'step ' + str(r['step']):>16}" for r in read_evals(next(iter(runs.values())))))
-    for (label, folder), color in zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")
+    print(f"{'run':<22}{'steps':>6}{'minutes':>9}   held-out accuracy, sampled / greedy %: first eval -> last eval")
+    for i, ((label, folder), color) in enumerate(zip(runs.items(), plt.rcParams["axes.prop_cycle"].by_key()["color"])):
         evals = read_evals(folder)
-        steps = [row["step"] for row in evals]
-        for ax, key in zip(axes, ("eval/accuracy_sampled", "eval/accuracy_greedy")):
-            ax.plot(steps, [100 * row[key] for row in evals], marker="o", color=color, label=label)
-        print(f"{label:<14}" + "".join(f"{100 * r['eval/accuracy_sampled']:7.1f} / {100 * r['eval/accuracy_greedy']:5.1f}"
-                                       for r in evals) + "   (sampled / greedy %)")
-    for ax, name in zip(axes, ("sampled (mean of 4 at T=1)", "greedy")):
-        ax.set_title(f"held-out accuracy, {name}")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("%")
-    axes[0].legend()
+        offset, clock = (step0, clock0) if i > 0 else (0, 0.0)
+        steps = [offset + row["step"] for row in evals]
+        timed = [row for row in evals if "time/elapsed" in row]
+        for ax_row, key in zip(axes, KEYS):
+            ax_row[0].plot(steps, [100 * row[key] for row in evals], marker="o", color=color, label=label)
+            ax_row[1].plot([(clock + row["time/elapsed"]) / 60 for row in timed], [100 * row[key] for row in timed],
+                           marker="o", color=color, label=label)
+        first, last = evals[0], evals[-1]
+        minutes = f"{last['time/elapsed'] / 60:9.1f}" if "time/elapsed" in last else f"{'-':>9}"
+        print(f"{label:<22}{last['step']:>6}{minutes}   "
+              f"{100 * first['eval/accuracy_sampled']:.1f} / {100 * first['eval/accuracy_greedy']:.1f} (step {first['step']})"
+              f" -> {100 * last['eval/accuracy_sampled']:.1f} / {100 * last['eval/accuracy_greedy']:.1f}")
+    for ax_row, name in zip(axes, KEYS.values()):
+        ax_row[0].set_ylabel(f"{name}, %")
+        xlabels = ("training step (SFT, then RL)", "wall-clock minutes (SFT, then RL)") if args.pipeline else \
+            ("training step", "wall-clock minutes of the run")
+        for ax, xlabel in zip(ax_row, xlabels):
+            ax.set_xlabel(xlabel)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
     fig.suptitle(args.title)
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)

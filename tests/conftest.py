@@ -1,12 +1,17 @@
+import contextlib
+import importlib
+import io
 import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # import the scripts (sft, grpo, common, ...) as modules
+import common  # noqa: E402
 
 
 def run(script, *args, check=True):
@@ -14,6 +19,20 @@ def run(script, *args, check=True):
     if check and result.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def run_main(script, *args):
+    """`python script args`, but in this process: the script's main() on its parsed config, without
+    the ~6 s a new interpreter spends importing torch and transformers. Returns what it printed
+    (as .stdout, like run()); a one-sentence error fails the test with that sentence."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            module.main(common.parse_config(module.Config, list(args)))
+    except SystemExit as stop:
+        raise AssertionError(f"{script} {' '.join(args)} failed: {stop.code}\n{printed.getvalue()[-3000:]}") from None
+    return types.SimpleNamespace(returncode=0, stdout=printed.getvalue(), stderr="")
 
 
 def read_metrics(output_dir):
@@ -25,6 +44,6 @@ def read_metrics(output_dir):
 def sft_checkpoint(tmp_path_factory):
     """A short SFT run (~1 min): the answer format is learned, the sums are right ~40% of the time."""
     out = str(tmp_path_factory.mktemp("sft"))
-    run("sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3",
+    run_main("sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3",
         "--eval_steps", "300", "--num_eval_examples", "64")
     return out

@@ -221,3 +221,21 @@ def test_generate_greedy_equals_hf_generate(sft_checkpoint):
     assert torch.equal(completion_ids * completion_mask, expected * expected_mask)
     lengths = completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows stopped at different steps: the batch shrank
+
+
+def test_length_chunks_change_nothing_but_the_padding(saved_tiny):
+    """completion_logprobs sorts rows by completion length into chunks cut to their own longest
+    completion: the log-probs of real tokens are those of one pass, whatever the chunks."""
+    _, _, model = saved_tiny
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, 256, (6, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, :2] = torch.tensor([0, 1]).repeat(6, 1)  # some left padding in the prompts
+    ends = torch.tensor([6, 1, 3, 6, 2, 5])  # completion lengths (of T = 6)
+    attention_mask[:, -6:] = (torch.arange(6) < ends[:, None]).long()
+    with torch.no_grad():
+        one = common.completion_logprobs(model, input_ids, attention_mask, 6, length_chunks=1)
+        for chunks in (2, 3, 6):
+            got = common.completion_logprobs(model, input_ids, attention_mask, 6, length_chunks=chunks)
+            mask = attention_mask[:, -6:].bool()
+            assert torch.allclose(got[mask], one[mask], atol=1e-5) and torch.isfinite(got).all()

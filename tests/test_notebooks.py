@@ -6,6 +6,8 @@ the first notebook that needs the SFT policy or the reward model trains it, the 
 """
 import glob
 import os
+import shutil
+import sys
 
 import nbformat
 import pytest
@@ -19,8 +21,18 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 
 @pytest.fixture(scope="session")
-def notebook_out(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("notebooks_out"))
+def notebook_out(tmp_path_factory, sft_checkpoint):
+    """The notebooks' checkpoint folder, starting with the suite's short SFT run: notebooks/helpers.py's
+    SFT_CONFIG is the same run (steps, learning rate, evaluation, seed), so it need not train twice."""
+    sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+    import helpers
+
+    cfg = helpers.SFT_CONFIG
+    assert (cfg.max_steps, cfg.learning_rate, cfg.eval_steps, cfg.num_eval_examples, cfg.seed) == (300, 2e-3, 300, 64, 0), \
+        "notebooks/helpers.py's SFT_CONFIG no longer matches tests/conftest.py's sft_checkpoint: update both"
+    out = str(tmp_path_factory.mktemp("notebooks_out"))
+    shutil.copytree(sft_checkpoint, os.path.join(out, "sft"))
+    return out
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)

@@ -18,7 +18,7 @@ import mix
 import ppo
 import reward_model
 import sft
-from conftest import ROOT, read_metrics, run
+from conftest import ROOT, read_metrics, run, run_main
 
 SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix}
 ALL = list(SCRIPTS)
@@ -184,8 +184,8 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
     --resume each time: the run ends exactly as the unbroken one did."""
     args = RUNS[script](sft_checkpoint)
     first, second, broken = (str(tmp_path / name) for name in ("first", "second", "broken"))
-    run(script, *args, "--output_dir", first)
-    run(script, *args, "--output_dir", second)
+    run_main(script, *args, "--output_dir", first)
+    run_main(script, *args, "--output_dir", second)
     _assert_same_run(first, second)
 
     metrics = os.path.join(broken, "metrics.jsonl")
@@ -201,6 +201,6 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
     os.makedirs(os.path.join(broken, "checkpoint.tmp"), exist_ok=True)
     with open(os.path.join(broken, "checkpoint.tmp", "state.pt"), "wb") as f:
         f.write(b"torn")
-    result = run(script, *args, "--output_dir", broken, "--resume", "true")
+    result = run_main(script, *args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
     _assert_same_run(first, broken)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
-from conftest import ROOT, read_metrics, run
+from conftest import ROOT, read_metrics, run, run_main
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
 
@@ -103,7 +103,7 @@ def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model
 @pytest.fixture(scope="module")
 def rm_short(sft_checkpoint, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("rm_lora"))
-    run("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "3", "--lora_r", "8",
+    run_main("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "3", "--lora_r", "8",
         "--policy_prompts", "16", "--samples_per_prompt", "2", "--num_eval_examples", "32", "--eval_steps", "3")
     return out
 
@@ -112,7 +112,7 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     """--lora_r 8 on every script; a LoRA run saves its adapter, and the next script loads it merged."""
     short = ["--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1", "--lora_r", "8"]
     sft_out = str(tmp_path / "sft")
-    run("sft.py", "--model", sft_checkpoint, "--output_dir", sft_out, "--max_steps", "3", *short)
+    run_main("sft.py", "--model", sft_checkpoint, "--output_dir", sft_out, "--max_steps", "3", *short)
     assert os.path.isfile(os.path.join(sft_out, "adapter_model.safetensors"))
     assert not os.path.isfile(os.path.join(sft_out, "model.safetensors"))
     assert os.path.isfile(os.path.join(rm_short, "adapter_model.safetensors"))
@@ -120,7 +120,7 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
                                                                        "--reward_model", rm_short])):
         out = str(tmp_path / script)
-        result = run(script, "--model", sft_out, "--output_dir", out, *extra, *short,  # starts from the LoRA SFT adapter
+        result = run_main(script, "--model", sft_out, "--output_dir", out, *extra, *short,  # starts from the LoRA SFT adapter
                      *(["--merge_lora", "true"] if script == "grpo.py" else []))
         assert os.path.isfile(os.path.join(out, "adapter_model.safetensors")), script
         assert "trained parameters" in result.stdout + result.stderr
@@ -199,22 +199,22 @@ def test_gsm8k_schema_answer_parsing_and_reward():
 def test_sft_and_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "gsm8k", GSM8K_ROWS)
     short = ["--eval_steps", "100", "--warmup_steps", "1", "--max_completion_length", "160"]
-    run("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
         "--per_device_train_batch_size", "2", *short)
     for script, batch in (("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"]),):  # 2 prompts x 4 + 8 expert rows
-        run(script, "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / script),
+        run_main(script, "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / script),
             "--max_steps", "1", "--num_generations", "4", *batch, *short)
 
 
 def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "rm_static", RM_STATIC_ROWS)
-    run("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
         "--per_device_train_batch_size", "2", "--eval_steps", "100")
     rm = str(tmp_path / "rm")
-    run("reward_model.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", rm, "--max_steps", "2",
+    run_main("reward_model.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", rm, "--max_steps", "2",
         "--per_device_train_batch_size", "2", "--policy_prompts", "0", "--eval_steps", "100")
     out = str(tmp_path / "ppo")
-    run("ppo.py", "--model", sft_checkpoint, "--reward_model", rm, "--dataset", data, "--output_dir", out,
+    run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", rm, "--dataset", data, "--output_dir", out,
         "--max_steps", "2", "--per_device_train_batch_size", "2", "--eval_steps", "100", "--warmup_steps", "1")
     with open(os.path.join(out, "eval.json")) as f:
         scores = json.load(f)
