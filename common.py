@@ -89,6 +89,12 @@ def set_seed(seed: int):
     torch.manual_seed(seed)
 
 
+def show_progress() -> bool:
+    """A tqdm bar on the main process only, and none when TQDM_DISABLE=1 (the notebooks set it, so
+    their saved outputs hold no bars; tqdm itself ignores it when `disable` is passed)."""
+    return is_main_process() and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true")
+
+
 def get_device() -> torch.device:
     """This process's GPU (torchrun's LOCAL_RANK picks which), or the CPU."""
     if torch.cuda.is_available():

@@ -367,7 +367,7 @@ def main(cfg: Config):
         first_step, initial = 0, evaluate(0)
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="mix",
-                    dynamic_ncols=True, disable=not common.is_main_process())
+                    dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
         t0 = time.perf_counter()

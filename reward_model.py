@@ -233,7 +233,7 @@ def main(cfg: Config):
     scores = results["scores"]
 
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="reward model",
-                    dynamic_ncols=True, disable=not common.is_main_process())
+                    dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
         t0 = time.perf_counter()
         input_ids, attention_mask = collate(rng.sample(train_pairs, cfg.per_device_train_batch_size), tokenizer.pad_token_id)

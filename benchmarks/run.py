@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import platform
-import resource
 import runpy
 import statistics
 import subprocess
@@ -41,8 +40,10 @@ def child(script, args, result_file):
     sys.argv = [script, *args]
     sys.path.insert(0, ROOT)
     runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    with open("/proc/self/status") as status:  # VmHWM: this process's peak (ru_maxrss would count its parent's too)
+        peak_kb = next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
     with open(result_file, "w") as f:
-        json.dump({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}, f)  # Linux: KiB
+        json.dump({"peak_rss_mb": peak_kb / 1024}, f)
 
 
 def run(name, steps, workdir):

@@ -148,8 +148,9 @@ def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     peak = {}
     for name, extra in (("full", []), ("lora", ["--lora_r", "8"])):
-        code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
-                "print('PEAK_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+        # VmHWM, this process's own peak: ru_maxrss would include the RSS of the pytest process it was forked from
+        code = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
+                "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))")
         result = subprocess.run([sys.executable, "-c", code, "grpo.py", "--model", folder, "--output_dir", str(tmp_path / name),
                                  "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
                                  "--max_completion_length", "16", "--eval_steps", "100", "--num_eval_examples", "2", *extra],

@@ -23,21 +23,22 @@ def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
 
 
 def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
-    """20 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise."""
+    """30 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise.
+    (The held-out file repeats the 8 problems 16 times: 512 samples, so its accuracy is not noise.)"""
     data = tmp_path / "data"
     data.mkdir()
     with open(os.path.join(ROOT, "data", "arithmetic", "train.jsonl")) as f:
         rows = f.readlines()[:8]
     (data / "train.jsonl").write_text("".join(rows))
-    (data / "test.jsonl").write_text("".join(rows))
+    (data / "test.jsonl").write_text("".join(rows) * 16)
     out = str(tmp_path / "grpo")
-    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "20",
-        "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2", "--eval_steps", "100")
+    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "30",
+             "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2", "--eval_steps", "100")
     metrics = read_metrics(out)
     rows = [row for row in metrics if "reward" in row]
-    assert len(rows) == 20
-    first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-5:]) / 5
-    assert last > first + 0.15, (first, last)
+    assert len(rows) == 30
+    first, last = sum(r["reward"] for r in rows[:10]) / 10, sum(r["reward"] for r in rows[-10:]) / 10
+    assert last > first + 0.05, (first, last)  # means of 640 rewards each, in [-2, 2.25]
     evals = [row["eval/accuracy_sampled"] for row in metrics if "eval/accuracy_sampled" in row]
     assert evals[-1] > evals[0], evals
     for key in ("loss", "reward_std", "accuracy", "kl", "completion_length", "clip_fraction",
@@ -45,7 +46,7 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
         assert key in rows[0], key
     assert os.path.isfile(os.path.join(out, "grpo.png")) and os.path.isfile(os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "eval.json")) as f:
-        assert json.load(f)["n"] == 8
+        assert json.load(f)["n"] == 128
 
 
 def test_grpo_multiple_iterations_and_dapo_run(sft_checkpoint, tmp_path):
