@@ -2,7 +2,7 @@
 work through TRL's GRPOTrainer, one after the other on this machine. One command:
 
     pip install -r benchmarks/requirements.txt     # trl: only the benchmark needs it
-    python benchmarks/run.py                       # ~5 min on a 2-core laptop; needs out/sft and out/rm
+    python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
     python benchmarks/run.py --chain               # the README's whole chain at full defaults (~14 min),
                                                    # then docs/compare.png: accuracy vs step and vs wall-clock
 
