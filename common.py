@@ -847,7 +847,7 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
         ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # a panel whose metrics were never logged has none
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
