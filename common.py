@@ -729,12 +729,11 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
     logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
-    for rows in lengths.argsort().chunk(length_chunks):
+    for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
-        results = chunk_logprobs(model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
-        logprobs = logprobs.index_put((rows[:, None], positions[:t] - 1), results[0])
-        entropy[rows, :t] = results[1]
+        logprobs[rows, :t], entropy[rows, :t] = chunk_logprobs(  # [b, t] each; gradients flow into logprobs
+            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
