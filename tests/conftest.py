@@ -2,7 +2,9 @@ import contextlib
 import importlib
 import io
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import types
@@ -33,6 +35,19 @@ def run_main(script, *args):
     except SystemExit as stop:
         raise AssertionError(f"{script} {' '.join(args)} failed: {stop.code}\n{printed.getvalue()[-3000:]}") from None
     return types.SimpleNamespace(returncode=0, stdout=printed.getvalue(), stderr="")
+
+
+def z_gain(first: list[float], last: list[float]) -> float:
+    """How many standard errors mean(last) lies above mean(first) (Welch's t statistic): a learning
+    check whose threshold follows from the run's own noise, not from one machine's trajectory."""
+    var = statistics.variance(first) / len(first) + statistics.variance(last) / len(last)
+    return (statistics.mean(last) - statistics.mean(first)) / math.sqrt(var)
+
+
+def z_accuracy(before: float, after: float, n: int) -> float:
+    """The same for two accuracies, each measured on n independent samples (binomial errors)."""
+    var = (before * (1 - before) + after * (1 - after)) / n
+    return (after - before) / math.sqrt(max(var, 1e-12))
 
 
 def read_metrics(output_dir):

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+from floats import assert_close, forward_terms, tolerance
 
 TEXTS = [
     "What is 47 + 85?",
@@ -128,7 +129,7 @@ def test_completion_logprobs_match_generation_scores(saved_tiny):
     mask = torch.cat([encoded["attention_mask"], torch.ones_like(completion_ids)], dim=1)
     with torch.no_grad():
         got = common.completion_logprobs(model, out.sequences, mask, completion_ids.shape[1])
-    assert torch.allclose(got, expected, atol=1e-4)
+    assert_close(got, expected, terms=forward_terms(model.config))  # generate's cached passes vs one pass
 
 
 def test_completion_logprobs_equal_full_forward(saved_tiny):
@@ -140,7 +141,7 @@ def test_completion_logprobs_equal_full_forward(saved_tiny):
         logits = model(input_ids=input_ids).logits  # [B, 9, V]
         full = torch.log_softmax(logits[:, 5:8], -1).gather(-1, input_ids[:, 6:9].unsqueeze(-1)).squeeze(-1)
         got = common.completion_logprobs(model, input_ids, attention_mask, 3)
-    assert torch.allclose(got, full, atol=1e-5)
+    assert_close(got, full, terms=forward_terms(model.config))
 
 
 def test_generate_masks_after_first_eos(saved_tiny):
@@ -198,14 +199,16 @@ def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
 
     shared, shared_grads = logprobs_and_grads(True)
     plain, plain_grads = logprobs_and_grads(False)
-    assert torch.allclose(shared * completion_mask, plain * completion_mask, atol=1e-5)
-    for a, b in zip(shared_grads, plain_grads):
-        assert torch.allclose(a, b, atol=1e-5)
+    assert_close(shared * completion_mask, plain * completion_mask, terms=forward_terms(model.config))
+    for a, b in zip(shared_grads, plain_grads):  # a gradient also sums over the batch's positions
+        assert_close(a, b, terms=forward_terms(model.config) + input_ids.numel())
 
 
 def test_generate_greedy_equals_hf_generate(sft_checkpoint):
     """Our rollout loop (prompt cache, rows leaving the batch at EOS) decodes exactly what
-    transformers' generate does, greedy, with repeated and unique prompts of different lengths."""
+    transformers' generate does, greedy, with repeated and unique prompts of different lengths.
+    Both compute the same logits in another order, so a near-tie (top two logits closer than
+    float32 rounding) may break either way: a row is compared up to its first near-tie."""
     from transformers import GenerationConfig
 
     model, tokenizer = common.load_model(sft_checkpoint)
@@ -214,11 +217,18 @@ def test_generate_greedy_equals_hf_generate(sft_checkpoint):
     _, _, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 40, greedy=True)
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     config = GenerationConfig(max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id)
-    expected = model.generate(**encoded, generation_config=config)[:, encoded["input_ids"].shape[1]:]
+                              eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(**encoded, generation_config=config)
+    expected = out.sequences[:, encoded["input_ids"].shape[1]:]
     expected_mask = common.mask_after_eos(expected, tokenizer.eos_token_id)
+    top2 = torch.stack(out.logits, dim=1).float().topk(2, dim=-1).values  # [B, T, 2]
+    gap = top2[..., 0] - top2[..., 1]
+    near_tie = gap <= tolerance(forward_terms(model.config), top2[..., 0].abs().max().item())
+    compared = (near_tie.long().cumsum(1) == 0)  # positions before the row's first near-tie
     assert completion_ids.shape[1] == expected.shape[1]
-    assert torch.equal(completion_ids * completion_mask, expected * expected_mask)
+    ours, theirs = completion_ids * completion_mask, expected * expected_mask
+    assert torch.equal(ours[compared], theirs[compared])
+    assert compared.float().mean() > 0.9, "too many near-ties for the check to mean anything"
     lengths = completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows stopped at different steps: the batch shrank
 
@@ -238,4 +248,4 @@ def test_length_chunks_change_nothing_but_the_padding(saved_tiny):
         for chunks in (2, 3, 6):
             got = common.completion_logprobs(model, input_ids, attention_mask, 6, length_chunks=chunks)
             mask = attention_mask[:, -6:].bool()
-            assert torch.allclose(got[mask], one[mask], atol=1e-5) and torch.isfinite(got).all()
+            assert_close(got[mask], one[mask], terms=forward_terms(model.config)) and torch.isfinite(got).all()

@@ -8,7 +8,8 @@ import torch
 import common
 import grpo
 import sft
-from conftest import ROOT, read_metrics, run, run_main
+from floats import approx, forward_terms
+from conftest import ROOT, read_metrics, run, run_main, z_accuracy, z_gain
 
 
 def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
@@ -17,7 +18,9 @@ def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
     with open(os.path.join(sft_checkpoint, "eval.json")) as f:
         scores = json.load(f)
     assert set(scores) == {"accuracy_greedy", "accuracy_sampled", "n"} and scores["n"] == 64
-    assert scores["accuracy_greedy"] > 0.2  # it learned to add and subtract, a little
+    # It learned to add and subtract, a little: from 0 (a random model never writes the format) to
+    # more than 3 standard errors above 0. Seeds and float orders land anywhere from 17% to 55% here.
+    assert z_accuracy(0.0, scores["accuracy_greedy"], n=64) > 3
     losses = [row["loss"] for row in read_metrics(sft_checkpoint) if "loss" in row]
     assert losses[-1] < 0.1 * losses[0]
 
@@ -37,10 +40,11 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     metrics = read_metrics(out)
     rows = [row for row in metrics if "reward" in row]
     assert len(rows) == 30
-    first, last = sum(r["reward"] for r in rows[:10]) / 10, sum(r["reward"] for r in rows[-10:]) / 10
-    assert last > first + 0.05, (first, last)  # means of 640 rewards each, in [-2, 2.25]
+    # Rises by more than twice its own noise: with lr 0 either check passes by chance 2.3% of the time.
+    first, last = [r["reward"] for r in rows[:10]], [r["reward"] for r in rows[-10:]]
+    assert z_gain(first, last) > 2, (first, last)  # per-step means of 64 rewards each, in [-2, 2.25]
     evals = [row["eval/accuracy_sampled"] for row in metrics if "eval/accuracy_sampled" in row]
-    assert evals[-1] > evals[0], evals
+    assert z_accuracy(evals[0], evals[-1], n=512) > 2, evals
     for key in ("loss", "reward_std", "accuracy", "kl", "completion_length", "clip_fraction",
                 "time/generation", "time/logprobs", "time/backward"):
         assert key in rows[0], key
@@ -96,7 +100,7 @@ def test_sft_step_changes_weights_and_ignores_prompt_tokens():
                                    position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0)).logits, -1)
     P = input_ids.shape[1] - 2
     manual = -(full[0, P - 1, 51] + full[0, P, 52] + full[1, P - 1, 53]) / 3
-    assert loss.item() == pytest.approx(manual.item(), rel=1e-5)
+    assert loss.item() == approx(manual.item(), terms=forward_terms(model.config))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss.backward()

@@ -2,7 +2,8 @@
 (torchrun) on N slices of it, then averaged as in training. Saves them (rank 0) to argv[1].
 
 The rows have very different completion lengths, so a token mean over each slice would differ
-from the token mean over the batch: only the global normalisation (common.token_count) agrees."""
+from the token mean over the batch: only the global normalisation (common.token_count) agrees.
+"dapo_local_mean" is the mistake the test must catch: each process divides by its own token count."""
 import os
 import sys
 
@@ -29,6 +30,7 @@ losses = {
     "grpo_dapo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "dapo"),
     "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "grpo"),
     "ppo_actor": lambda lp, m, a: ppo.ppo_actor_loss(lp, lp.detach() + 0.1, a[:, None].expand_as(lp), m, 0.2),
+    "dapo_local_mean": lambda lp, m, a: (-a[:, None] * lp * m).sum() / m.sum(),  # wrong under torchrun, on purpose
 }
 results = {}
 for name, loss_fn in losses.items():
@@ -38,6 +40,7 @@ for name, loss_fn in losses.items():
     loss.backward()
     common.average_gradients(model)
     results[name] = {"loss": common.global_sum(loss.item()) / world_size,
-                     "grad": torch.cat([p.grad.flatten() for p in model.parameters()])}
+                     "grad": torch.cat([p.grad.flatten() for p in model.parameters()]),
+                     "terms": input_ids.numel()}  # positions summed into a weight's gradient
 if common.is_main_process():
     torch.save(results, sys.argv[1])
