@@ -275,7 +275,11 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
 
     scalar_head=True loads the transformer with a linear N -> 1 head instead of the LM head
     (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
-    SFT checkpoint the head starts random; from a reward-model checkpoint it is the trained one."""
+    SFT checkpoint the head starts random; from a reward-model checkpoint it is the trained one.
+
+    A .gguf file (llama.cpp's format) loads too: see load_gguf."""
+    if name_or_path.endswith(".gguf") or os.path.isfile(name_or_path):
+        return load_gguf(name_or_path, scalar_head)
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
     is_adapter = os.path.isfile(os.path.join(name_or_path, "adapter_config.json"))  # a LoRA run's output
     if is_local and not (is_adapter or os.path.isfile(os.path.join(name_or_path, "config.json"))):
@@ -289,15 +293,52 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
             from peft import PeftConfig, PeftModel
 
             base_path = PeftConfig.from_pretrained(name_or_path).base_model_name_or_path
-            base = auto_class.from_pretrained(base_path, **head, dtype=torch.float32)
+            base = (load_gguf(base_path, scalar_head)[0] if str(base_path).endswith(".gguf")
+                    else auto_class.from_pretrained(base_path, **head, dtype=torch.float32))
             model = PeftModel.from_pretrained(base, name_or_path).merge_and_unload()
         else:
             model = auto_class.from_pretrained(name_or_path, **head, dtype=torch.float32)
     except Exception as error:  # not on disk, not reachable on the hub, or not a model
-        fail(f"could not load a model from {name_or_path!r} ({(str(error).splitlines() or [type(error).__name__])[0]})")
+        fail(f"could not load a model from {name_or_path!r} ({_first_line(error)})")
     if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_gguf(path: str, scalar_head: bool = False):
+    """(model, tokenizer) from a .gguf file, llama.cpp's one-file format: the weights dequantised to
+    a plain fp32 model (save_pretrained writes it as safetensors; scalar_head=True puts a new
+    random N -> 1 head on the transformer, as from an SFT checkpoint), and the tokenizer, special
+    tokens and chat template that the file stores."""
+    if not os.path.isfile(path):
+        fail(f"no GGUF file at {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":  # every GGUF file starts with these 4 bytes
+            fail(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        import gguf  # noqa: F401  (transformers reads the file with it)
+    except ImportError:
+        fail(f"reading {path} needs the gguf package: pip install gguf")
+    path = os.path.abspath(path)
+    folder, file = os.path.split(path)
+    auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+    head = dict(num_labels=1) if scalar_head else {}
+    try:  # dequantize=True: plain weights, and no GGUF quantizer left on the model (with one, save_pretrained refuses)
+        model = auto_class.from_pretrained(folder, gguf_file=file, **head, dtype=torch.float32,
+                                           quantization_config=transformers.GgufConfig(dequantize=True))
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=file, padding_side="left")
+    except Exception as error:  # e.g. an architecture transformers has no GGUF mapping for
+        fail(f"transformers could not load {path} ({_first_line(error)})")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id  # a scalar head's forward finds each row's last token with it
+    model.name_or_path = model.config.name_or_path = path  # peft writes this into adapter_config.json as the base
+    return model, tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of an exception's message (its class name if it has none), for one-sentence errors."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
@@ -313,7 +354,9 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
         save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
+    # whether to save the embeddings too (a .gguf base has none, and peft would warn).
+    model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}))
     tokenizer.save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -326,6 +369,7 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
 SETTING_RULES = {  # field: (is the value usable?, what it must be); a script checks the fields it has
     "max_steps": (lambda v: v >= 1, "at least 1"),
     "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
     "max_completion_length": (lambda v: v >= 1, "at least 1 token"),
     "num_generations": (lambda v: v >= 2, "at least 2: the advantage compares completions within a group"),
     "learning_rate": (lambda v: v > 0, "positive"),

@@ -47,7 +47,11 @@ class Config:
     num_generations: int = 8
     """G: completions sampled per prompt (the group)"""
     per_device_train_batch_size: int = 128
-    """completions per step = prompts per step x num_generations"""
+    """completions per micro-batch; a step samples per_device_train_batch_size x gradient_accumulation_steps
+    completions (prompts per step x num_generations)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
+    (less memory), and their gradients add up to the step's (the same result)"""
     max_completion_length: int = 64
     """max new tokens per completion"""
     temperature: float = 1.0
@@ -140,7 +144,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo"):
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
+              step_sequences=None, step_tokens=None):
     """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old)
@@ -157,6 +162,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
     logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
     when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
+
+    Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
+    step's number of completions) and step_tokens (common.token_count of the step's mask) replace
+    this micro-batch's own counts in the two means, so the micro-batch losses add up to the loss
+    of the whole step, and so do their gradients.
     """
     mask = mask.bool()
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
@@ -169,9 +179,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "grpo":
-        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    if loss_type == "dapo":
-        return per_token.sum() / common.token_count(mask)  # under torchrun: the global batch's tokens
+        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+        return per_sequence.mean() if step_sequences is None else per_sequence.sum() / step_sequences
+    if loss_type == "dapo":  # under torchrun: the global batch's tokens
+        return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -194,8 +205,9 @@ def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps) -> float:
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     common.check_settings(cfg)
-    if cfg.per_device_train_batch_size % cfg.num_generations:
-        common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
+    step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per step
+    if step_batch % cfg.num_generations:
+        common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({step_batch}) must be a multiple of "
                     f"--num_generations ({cfg.num_generations})")
     if cfg.loss_type not in ("grpo", "dapo"):
         common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
@@ -203,7 +215,7 @@ def main(cfg: Config):
     common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
     G = cfg.num_generations
-    num_prompts = cfg.per_device_train_batch_size // G
+    num_prompts = step_batch // G
 
     # data and models
     train_data = common.load_split(cfg.dataset, "train")
@@ -276,30 +288,46 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
         T = completion_ids.shape[1]
+        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
+        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
+        step_sequences, step_tokens = len(input_ids), common.token_count(completion_mask)
+        zeros = lambda: torch.zeros(completion_ids.shape, device=device)  # noqa: E731  [B*G, T]
+        ref_logprobs = zeros() if cfg.beta > 0 else None
+        old_logprobs = zeros() if cfg.num_iterations > 1 else None
         with torch.no_grad():
-            ref_logprobs = None
-            if cfg.beta > 0:
-                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                    ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)
-            # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
-            old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
+            for rows in micro_batches:
+                if cfg.beta > 0:
+                    with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                        ref_logprobs[rows] = common.completion_logprobs(reference, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
+                if cfg.num_iterations > 1:
+                    old_logprobs[rows] = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
 
         # 5. Policy updates on this batch.
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
         for _ in range(cfg.num_iterations):
-            t2 = time.perf_counter()
-            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature)  # [B*G, T]
-            old = old_logprobs if old_logprobs is not None else logprobs.detach()
-            loss = grpo_loss(logprobs, old, ref_logprobs, advantages, completion_mask, cfg.epsilon, cfg.beta, cfg.loss_type)
-            t3 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            logprobs, loss = zeros(), 0.0  # [B*G, T] (detached, for logging), the step's loss
+            for rows in micro_batches:
+                t2 = time.perf_counter()
+                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
+                micro_loss = grpo_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
+                                       completion_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type,
+                                       *((step_sequences, step_tokens) if len(micro_batches) > 1 else ()))
+                t3 = time.perf_counter()
+                micro_loss.backward()  # gradients add up over the micro-batches
+                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
+                time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+            t3 = time.perf_counter()
             common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
             optimizer.step()
             scheduler.step()
-            time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+            time_backward += time.perf_counter() - t3
+        old = old_logprobs if old_logprobs is not None else logprobs
 
         # 6. Logging (TRL's metric names where they exist).
         with torch.no_grad():

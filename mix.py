@@ -58,7 +58,11 @@ class Config:
     num_generations: int = 8
     """G: completions sampled per prompt (the group)"""
     per_device_train_batch_size: int = 128
-    """rows per step: usual rows (prompts per step x num_generations) + expert rows"""
+    """rows per micro-batch; a step has per_device_train_batch_size x gradient_accumulation_steps rows: usual rows
+    (prompts per step x num_generations) + expert rows"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
+    (less memory), and their gradients add up to the step's (the same result)"""
     max_completion_length: int = 64
     """max new tokens per completion"""
     temperature: float = 1.0
@@ -151,7 +155,8 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo"):
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
+              step_sequences=None, step_tokens=None):
     """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old)
@@ -168,6 +173,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
     logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
     when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
+
+    Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
+    step's number of completions) and step_tokens (common.token_count of the step's mask) replace
+    this micro-batch's own counts in the two means, so the micro-batch losses add up to the loss
+    of the whole step, and so do their gradients.
     """
     mask = mask.bool()
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
@@ -180,9 +190,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "grpo":
-        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    if loss_type == "dapo":
-        return per_token.sum() / common.token_count(mask)  # under torchrun: the global batch's tokens
+        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+        return per_sequence.mean() if step_sequences is None else per_sequence.sum() / step_sequences
+    if loss_type == "dapo":  # under torchrun: the global batch's tokens
+        return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -244,7 +255,7 @@ def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, rows, 
             torch.cat([right(completion_mask, 0), right(new_mask, 0)]))
 
 
-def sft_loss(logprobs, mask, loss_type="grpo"):
+def sft_loss(logprobs, mask, loss_type="grpo", step_sequences=None, step_tokens=None):
     """Note 001's auxiliary objective as a loss: the negative log-likelihood of the expert tokens.
 
         'grpo': -(1/B') sum_b (1/T'_b) sum_t log pi(o'_bt | q'_b, o'_b<t)   mean per answer, then
@@ -252,17 +263,21 @@ def sft_loss(logprobs, mask, loss_type="grpo"):
         'dapo': -sum_bt log pi(o'_bt | ...) / sum_b T'_b                   one mean over all tokens
                 (sft.py's sft_loss; the note's example config, sft_loss_agg_mode "token-mean")
 
-    logprobs, mask [B', T]: the expert rows only. Padding never counts, whatever it holds."""
+    logprobs, mask [B', T]: the expert rows only. Padding never counts, whatever it holds. As in
+    grpo_loss, step_sequences and step_tokens are the whole step's counts of expert answers and
+    tokens when these rows are one micro-batch of it (gradient accumulation)."""
     mask = mask.bool()
     nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
     if loss_type == "grpo":
-        return (nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    if loss_type == "dapo":
-        return nll.sum() / mask.sum().clamp(min=1)
+        per_answer = nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B']
+        return per_answer.mean() if step_sequences is None else per_answer.sum() / step_sequences
+    if loss_type == "dapo":  # under torchrun: the global batch's tokens
+        return nll.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo"):
+def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
+             step_masks=None):
     """MIX's objective (note 001), as a loss to minimise:
 
         loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
@@ -280,17 +295,25 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
       - The note's formula averages the SFT term per answer, then over answers, while its example
         config sets sft_loss_agg_mode "token-mean". `loss_type` picks one rule for both terms:
         'grpo' per sequence (the formula), 'dapo' one token mean (the config).
-      - Trinity scales each term by its rows' share of a micro-batch, so that accumulating
-        micro-batches gives the mean over the whole batch; in one pass over the batch that is 1.
+      - Gradient accumulation: Trinity scales each term by its rows' share of a micro-batch
+        (per_micro_batch_weight_usual / _expert), so that the micro-batches add up to the mean over
+        the whole step. Here step_masks = (mask, expert_mask) of the whole step gives each term the
+        step's counts of usual and expert rows and tokens as its denominators: the same weights.
+        In one pass over the step (step_masks None) every weight is 1.
     """
     usual = ~expert_mask
+    step_usual = step_expert = ()  # (sequences, tokens) of the whole step, per kind of row
+    if step_masks is not None:
+        step_mask, step_is_expert = step_masks
+        step_usual = (int((~step_is_expert).sum()), common.token_count(step_mask[~step_is_expert]))
+        step_expert = (int(step_is_expert.sum()), common.token_count(step_mask[step_is_expert]))
     grpo_term = sft_term = logprobs.new_zeros(())
     if usual.any():
         ref = ref_logprobs[usual] if ref_logprobs is not None else None
         grpo_term = grpo_loss(logprobs[usual], old_logprobs[usual], ref, advantages[usual], mask[usual],
-                              clip_eps, beta, loss_type)
+                              clip_eps, beta, loss_type, *step_usual)
     if expert_mask.any():
-        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type)
+        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, *step_expert)
     return (1 - mu) * grpo_term + mu * sft_term
 
 
@@ -299,11 +322,13 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     common.check_settings(cfg)
-    num_expert = math.ceil(cfg.expert_data_ratio * cfg.per_device_train_batch_size)  # E expert rows per step
-    num_usual = cfg.per_device_train_batch_size - num_expert  # B*G rollout rows per step
+    step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # rows per step
+    num_expert = math.ceil(cfg.expert_data_ratio * step_batch)  # E expert rows per step
+    num_usual = step_batch - num_expert  # B*G rollout rows per step
     if num_usual < cfg.num_generations or num_usual % cfg.num_generations:
-        common.fail(f"the {num_usual} usual rows of a batch (--per_device_train_batch_size {cfg.per_device_train_batch_size} "
-                    f"minus {num_expert} expert rows) must be a positive multiple of --num_generations ({cfg.num_generations})")
+        common.fail(f"the {num_usual} usual rows of a step (--per_device_train_batch_size x --gradient_accumulation_steps "
+                    f"{step_batch} minus {num_expert} expert rows) must be a positive multiple of --num_generations "
+                    f"({cfg.num_generations})")
     if cfg.loss_type not in ("grpo", "dapo"):
         common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
@@ -400,31 +425,45 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
         T = completion_ids.shape[1]
+        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
+        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
+        zeros = lambda: torch.zeros(completion_ids.shape, device=device)  # noqa: E731  [B*G, T]
+        ref_logprobs = zeros() if cfg.beta > 0 else None
+        old_logprobs = zeros() if cfg.num_iterations > 1 else None
         with torch.no_grad():
-            ref_logprobs = None
-            if cfg.beta > 0:
-                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                    ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T, cfg.temperature)
-            # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
-            old_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature) if cfg.num_iterations > 1 else None
+            for rows in micro_batches:
+                if cfg.beta > 0:
+                    with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                        ref_logprobs[rows] = common.completion_logprobs(reference, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
+                if cfg.num_iterations > 1:
+                    old_logprobs[rows] = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
 
         # 5. Policy updates on this batch.
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
         for _ in range(cfg.num_iterations):
-            t2 = time.perf_counter()
-            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, cfg.temperature)  # [B*G, T]
-            old = old_logprobs if old_logprobs is not None else logprobs.detach()
-            loss = mix_loss(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg.mu, cfg.epsilon,
-                            cfg.beta, cfg.loss_type)
-            t3 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            logprobs, loss = zeros(), 0.0  # [B*G, T] (detached, for logging), the step's loss
+            for rows in micro_batches:
+                t2 = time.perf_counter()
+                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
+                micro_loss = mix_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
+                                      completion_mask[rows], expert_mask[rows], cfg.mu, cfg.epsilon, cfg.beta, cfg.loss_type,
+                                      (completion_mask, expert_mask) if len(micro_batches) > 1 else None)
+                t3 = time.perf_counter()
+                micro_loss.backward()  # gradients add up over the micro-batches
+                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
+                time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+            t3 = time.perf_counter()
             common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
             optimizer.step()
             scheduler.step()
-            time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
+            time_backward += time.perf_counter() - t3
+        old = old_logprobs if old_logprobs is not None else logprobs
 
         # 6. Logging (TRL's metric names where they exist; rollout statistics on the usual rows only).
         with torch.no_grad():

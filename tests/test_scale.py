@@ -33,7 +33,7 @@ def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
     run(os.path.join(HELPERS, "ddp_losses.py"), one)
     torchrun(os.path.join(HELPERS, "ddp_losses.py"), two)
     one, two = torch.load(one), torch.load(two)
-    for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor"):
+    for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor", "mix_dapo"):
         # each gradient entry sums over the batch's positions (and the two halves add in another order)
         assert_close(two[name]["loss"], one[name]["loss"], terms=one[name]["terms"], msg=name)
         assert_close(two[name]["grad"], one[name]["grad"], terms=one[name]["terms"], msg=name)

@@ -12,6 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import common  # noqa: E402
 import grpo  # noqa: E402
+import mix  # noqa: E402
 import ppo  # noqa: E402
 import sft  # noqa: E402
 
@@ -24,12 +25,14 @@ examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_toke
             for i, n in enumerate(lengths)]
 input_ids, attention_mask, mask = sft.collate(examples, tokenizer.pad_token_id)
 advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
+expert = torch.tensor([False, True, False, True])  # MIX: one expert row on each process
 share = slice(rank * len(lengths) // world_size, (rank + 1) * len(lengths) // world_size)
 losses = {
     "sft": lambda lp, m, a: sft.sft_loss(lp, m),
     "grpo_dapo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "dapo"),
     "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "grpo"),
     "ppo_actor": lambda lp, m, a: ppo.ppo_actor_loss(lp, lp.detach() + 0.1, a[:, None].expand_as(lp), m, 0.2),
+    "mix_dapo": lambda lp, m, a: mix.mix_loss(lp, lp.detach(), None, a, m, expert[share], 0.5, 0.2, 0.0, "dapo"),
     "dapo_local_mean": lambda lp, m, a: (-a[:, None] * lp * m).sum() / m.sum(),  # wrong under torchrun, on purpose
 }
 results = {}

@@ -1,0 +1,88 @@
+"""Gradient accumulation (--gradient_accumulation_steps) in grpo.py and mix.py: it changes memory, not the result."""
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo
+import mix
+from conftest import read_metrics, run_main
+from floats import assert_close, tolerance
+
+
+def _rollout(seed=0, B=8, T=7):
+    """logprobs [B, T] as leaf tensors, old / ref log-probs, advantages [B] and completions of very different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = (-torch.rand(B, T, generator=g) - 0.1).requires_grad_(True)
+    old = logprobs.detach() + 0.2 * torch.randn(B, T, generator=g)
+    ref = logprobs.detach() + 0.2 * torch.randn(B, T, generator=g)
+    advantages = torch.randn(B, generator=g)
+    lengths = torch.tensor([1, 7, 2, 7, 3, 5, 1, 6])[:B]
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    return logprobs, old, ref, advantages, mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_micro_batch_losses_add_up_to_the_step_loss_and_gradient(loss_type):
+    logprobs, old, ref, advantages, mask = _rollout()
+    whole = grpo.grpo_loss(logprobs, old, ref, advantages, mask, 0.2, 0.04, loss_type)
+    (expected,) = torch.autograd.grad(whole, logprobs)
+    step_sequences, step_tokens = len(mask), mask.sum()
+    total, grad = 0.0, torch.zeros_like(logprobs)
+    wrong_grad = torch.zeros_like(logprobs)  # each micro-batch normalised by its own counts: the classic mistake
+    for rows in torch.arange(len(mask)).split(2):
+        args = (logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], 0.2, 0.04, loss_type)
+        micro = grpo.grpo_loss(*args, step_sequences, step_tokens)
+        total = total + micro.detach()
+        grad += torch.autograd.grad(micro, logprobs, retain_graph=True)[0]
+        wrong_grad += torch.autograd.grad(grpo.grpo_loss(*args), logprobs)[0]
+    terms = int(mask.sum())  # every token of the step is one term of the sum
+    assert_close(total, whole.detach(), terms=terms, scale=advantages.abs().max().item())
+    assert_close(grad, expected, terms=terms)
+    assert (wrong_grad - expected).abs().max() > 1000 * tolerance(terms, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_mix_micro_batches_add_up_to_the_step_loss(loss_type):
+    """MIX's per-micro-batch weights (Trinity's per_micro_batch_weight_usual / _expert): with the
+    step's masks, micro-batches that hold only usual rows, only expert rows or both add up to the
+    one-pass loss (1 - mu) * grpo(usual rows) + mu * sft(expert rows), and so do the gradients."""
+    logprobs, old, ref, advantages, mask = _rollout()
+    expert_mask = torch.tensor([False, False, False, False, False, True, True, True])
+    whole = mix.mix_loss(logprobs, old, ref, advantages, mask, expert_mask, 0.3, 0.2, 0.04, loss_type)
+    (expected,) = torch.autograd.grad(whole, logprobs)
+    total, grad = 0.0, torch.zeros_like(logprobs)
+    for rows in torch.arange(len(mask)).split(3):  # usual | usual + expert | expert
+        micro = mix.mix_loss(logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], expert_mask[rows],
+                             0.3, 0.2, 0.04, loss_type, (mask, expert_mask))
+        total = total + micro.detach()
+        grad += torch.autograd.grad(micro, logprobs)[0]
+    terms = int(mask.sum())
+    assert_close(total, whole.detach(), terms=terms, scale=advantages.abs().max().item() + 1)
+    assert_close(grad, expected, terms=terms)
+
+
+@pytest.mark.parametrize("script, loss_type", [("grpo.py", "grpo"), ("grpo.py", "dapo"), ("mix.py", "grpo"),
+                                               ("mix.py", "dapo")])
+def test_accumulation_4_equals_one_pass_end_to_end(sft_checkpoint, tmp_path, script, loss_type):
+    """One GRPO (or MIX) step of 32 rows, as 1 micro-batch of 32 or 4 of 8: the same rollout and
+    rewards (sampled once for the step), the same loss and gradient norm to float rounding, and
+    the same weights. AdamW's first step divides each gradient entry by its own size, so an entry
+    whose gradient is below float rounding may move by up to lr either way: the weights are
+    compared as norms, the difference against the update."""
+    common_args = ["--model", sft_checkpoint, "--max_steps", "1", "--num_generations", "4", "--loss_type", loss_type,
+                   "--eval_steps", "100", "--num_eval_examples", "4", "--warmup_steps", "0"]
+    one, four = str(tmp_path / "one"), str(tmp_path / "four")
+    run_main(script, *common_args, "--per_device_train_batch_size", "32", "--output_dir", one)
+    run_main(script, *common_args, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "4",
+             "--output_dir", four)
+    (a,), (b,) = ([row for row in read_metrics(d) if "loss" in row] for d in (one, four))
+    assert a["reward"] == b["reward"] and a["completion_length"] == b["completion_length"]  # the same rollout
+    terms = 32 * 64  # completions x max_completion_length: the tokens summed into the loss and each gradient entry
+    assert_close(b["loss"], a["loss"], terms=terms, scale=2.25)  # advantages and rewards are O(1)
+    assert_close(b["grad_norm"], a["grad_norm"], terms=terms)
+    start, w_one, w_four = (load_file(os.path.join(d, "model.safetensors")) for d in (sft_checkpoint, one, four))
+    update = sum(((w_one[k] - start[k]) ** 2).sum() for k in start).sqrt()
+    difference = sum(((w_four[k] - w_one[k]) ** 2).sum() for k in start).sqrt()
+    assert update > 0 and difference <= 1e-3 * update, (difference, update)

