@@ -6,6 +6,7 @@ The model is real (135M parameters), so each GGUF load takes ~12 s here: the fix
 import copy
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -183,3 +184,49 @@ def test_every_script_takes_a_gguf_model(module, tmp_path):
     args += ["--reward_model", "rule"] if module is ppo else []
     assert "no GGUF file at" in error_of(lambda: module.main(common.parse_config(module.Config, args)))
     assert not os.path.exists(tmp_path / "out")
+
+
+# --- the real model through the RL scripts ---------------------------------------------------------
+def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
+    """On SmolLM2's BPE the tags are several tokens and EOS is <|im_end|>: a rollout's mask ends at
+    its first EOS, the decoded completion is scored by the reward functions, and an expert row's
+    answer tokens decode to exactly the expert's text plus EOS."""
+    model, tokenizer = policy
+    torch.manual_seed(0)
+    prompts = [common.make_prompt(tokenizer, "What is 12 + 5?")] * 2
+    _, _, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 24)
+    assert torch.equal(completion_mask, common.mask_after_eos(completion_ids, tokenizer.eos_token_id))
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    assert all("<|im_end|>" not in c and "<|im_start|>" not in c for c in completions)
+    rewards = grpo.correctness_reward(prompts, [COMPLETION, "<answer>16</answer>"], answer=["#### 17"] * 2)
+    assert rewards == [1.0, -1.0] and grpo.format_reward(prompts, [COMPLETION])[0] == 1.25
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "expert.jsonl")
+    (prompt_ids, answer_ids), *_ = mix.load_expert_examples(path, tokenizer, 256)
+    with open(path) as f:
+        messages = json.loads(f.readline())["messages"]
+    assert tokenizer.decode(answer_ids) == messages[-1]["content"] + "<|im_end|>"
+    assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # a rollout prompt ends the same way
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "mix.py"])
+def test_rl_scripts_train_the_real_model_with_lora_and_accumulation(gguf_path, tmp_path, script):
+    """Two steps on SmolLM2-135M-Instruct from its .gguf: LoRA r 8, 2 micro-batches per step, the
+    adapter saved on its GGUF base. The raw model never writes our format (every reward is -2, so
+    GRPO's advantages and gradient are 0: it needs SFT first); MIX's expert rows still teach it,
+    so its adapter's B matrices move from zero."""
+    from conftest import read_metrics, run_main
+    from safetensors.torch import load_file
+
+    out = str(tmp_path / script)
+    run_main(script, "--model", gguf_path, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
+             "--max_completion_length", "48" if script == "mix.py" else "16",  # room for an expert answer
+             "--eval_steps", "100", "--num_eval_examples", "1", "--warmup_steps", "1",
+             *(["--expert_data_ratio", "0.5"] if script == "mix.py" else []))
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 2 and all(-2.0 <= row["reward"] <= 2.25 and math.isfinite(row["loss"]) for row in rows)
+    adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
+    moved = any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
+    assert moved == (script == "mix.py" or any(row["grad_norm"] > 0 for row in rows))
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(gguf_path)
