@@ -39,7 +39,10 @@ class Config:
     max_steps: int = 300
     """optimizer steps"""
     per_device_train_batch_size: int = 32
-    """preference pairs per step (each pair is two sequences)"""
+    """preference pairs per forward pass (a micro-batch), per process (each pair is two sequences)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
+    (x processes); accumulation changes memory, not the result"""
     learning_rate: float = 6e-4
     """peak learning rate of AdamW"""
     warmup_steps: int = 20
@@ -87,12 +90,18 @@ class Config:
     """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
 
 
-def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, num_pairs: int | None = None
+                    ) -> torch.Tensor:
     """Pairwise (Bradley-Terry) loss of note 000: -log sigmoid(r_chosen - r_rejected), mean over pairs.
 
+        loss = -sum_i log sigmoid(r_chosen_i - r_rejected_i) / num_pairs,      num_pairs = B by default
+
     chosen_scores, rejected_scores [B]. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
-    this is the negative log-likelihood of the human's choice. Only differences of scores matter."""
-    return -F.logsigmoid(chosen_scores - rejected_scores).mean()
+    this is the negative log-likelihood of the human's choice. Only differences of scores matter.
+    With gradient accumulation, num_pairs is the whole step's pair count: each micro-batch's loss
+    is then its share of the step's mean, and the shares add up to the step's loss."""
+    losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [B]
+    return losses.mean() if num_pairs is None else losses.sum() / num_pairs
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -194,9 +203,11 @@ def main(cfg: Config):
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
     test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]  # DDP: a share each
-    if len(train_pairs) < cfg.per_device_train_batch_size or not test_pairs:
+    batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
+    if len(train_pairs) < batch_size or not test_pairs:
         common.fail(f"{cfg.dataset} has {len(train_pairs)} training and {len(test_pairs)} held-out pairs that fit in "
-                    f"--max_length {cfg.max_length}: it needs --per_device_train_batch_size ({cfg.per_device_train_batch_size}) and 1")
+                    f"--max_length {cfg.max_length}: it needs --per_device_train_batch_size x "
+                    f"--gradient_accumulation_steps ({batch_size}) and 1")
     # Extra pairs from the policy's own samples: for training (train prompts), and a held-out set
     # (test prompts) that measures what PPO needs: does the RM rank *this policy's* answers right?
     policy_test_pairs, num_shipped = [], len(train_pairs)
@@ -236,12 +247,26 @@ def main(cfg: Config):
                     dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
         t0 = time.perf_counter()
-        input_ids, attention_mask = collate(rng.sample(train_pairs, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
-        chosen_scores, rejected_scores = sequence_scores(model, input_ids.to(device), attention_mask.to(device)).chunk(2)  # [B], [B]
-        loss = preference_loss(chosen_scores, rejected_scores)
-        t1 = time.perf_counter()
+        # The step's whole batch in one draw (the same draws whatever the accumulation), cut into
+        # gradient_accumulation_steps consecutive micro-batches of per_device_train_batch_size pairs.
+        batch, size = rng.sample(train_pairs, batch_size), cfg.per_device_train_batch_size
+        micro_batches = [collate(batch[i : i + size], tokenizer.pad_token_id) for i in range(0, batch_size, size)]
+
+        # Each micro-batch divides its pairs' loss sum by the step's pair count, so the gradients that
+        # backward() adds up are those of one pass over the step's batch (up to float rounding).
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, forward_time, chosen_scores, rejected_scores = 0.0, time.perf_counter() - t0, [], []
+        for input_ids, attention_mask in micro_batches:
+            t1 = time.perf_counter()
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            chosen, rejected = sequence_scores(model, input_ids, attention_mask).chunk(2)  # [B], [B]
+            micro_loss = preference_loss(chosen, rejected, num_pairs=batch_size)  # its share of the step's mean
+            forward_time += time.perf_counter() - t1
+            micro_loss.backward()  # adds to the gradients of the earlier micro-batches
+            loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares
+            chosen_scores.append(chosen.detach())
+            rejected_scores.append(rejected.detach())
+        chosen_scores, rejected_scores = torch.cat(chosen_scores), torch.cat(rejected_scores)  # the whole step's
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
@@ -251,12 +276,12 @@ def main(cfg: Config):
 
         metrics = {}
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            margins = (chosen_scores - rejected_scores).detach()
+            margins = chosen_scores - rejected_scores
             metrics = {"step": step, "loss": loss.item(), "accuracy": (margins > 0).float().mean().item(),
                        "margin": margins.mean().item(), "score/chosen": chosen_scores.mean().item(),
                        "score/rejected": rejected_scores.mean().item(), "grad_norm": grad_norm.item(),
                        "learning_rate": scheduler.get_last_lr()[0],
-                       "time/forward": t1 - t0, "time/backward": time.perf_counter() - t1}
+                       "time/forward": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(model, test_pairs, tokenizer.pad_token_id)
             metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"], "eval/margin": scores["margin"]})

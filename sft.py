@@ -37,7 +37,10 @@ class Config:
     max_steps: int = 700
     """optimizer steps"""
     per_device_train_batch_size: int = 32
-    """examples per step"""
+    """examples per forward pass (a micro-batch), per process"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
+    (x processes); accumulation changes memory, not the result"""
     learning_rate: float = 2e-3
     """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
     warmup_steps: int = 30
@@ -78,16 +81,19 @@ class Config:
     """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
 
 
-def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Token-mean negative log-likelihood of the answer tokens (note 000, stage 1):
 
-        loss = -sum(logprobs * mask) / sum(mask)
+        loss = -sum(logprobs * mask) / num_tokens,      num_tokens = sum(mask) by default
 
     logprobs [B, T] are log pi(answer token | prompt, earlier answer tokens); mask [B, T] is 1 on
     real answer tokens (EOS included) and 0 on padding, so prompt and padding never count.
-    (Under torchrun sum(mask) is the global batch's, per process: see common.token_count.)"""
+    With gradient accumulation, num_tokens is the answer-token count of the whole step (all its
+    micro-batches): each micro-batch's loss is then its share of the step's token mean, and the
+    micro-batches' losses and gradients add up to those of one pass over the step's batch.
+    (Under torchrun the count is the global batch's, per process: see common.token_count.)"""
     mask = mask.to(logprobs.dtype)
-    return -(logprobs * mask).sum() / common.token_count(mask)
+    return -(logprobs * mask).sum() / (common.token_count(mask) if num_tokens is None else num_tokens)
 
 
 def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int):
@@ -162,9 +168,12 @@ def main(cfg: Config):
     model.to(device).train()
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights
     examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
-    if len(examples) < cfg.per_device_train_batch_size:
+    batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # examples per step, per process
+    if len(examples) < batch_size:
         common.fail(f"{cfg.dataset} has {len(examples)} training answers that fit in --max_completion_length "
-                    f"{cfg.max_completion_length}, fewer than --per_device_train_batch_size {cfg.per_device_train_batch_size}")
+                    f"{cfg.max_completion_length}, fewer than a step's --per_device_train_batch_size "
+                    f"{cfg.per_device_train_batch_size} x --gradient_accumulation_steps "
+                    f"{cfg.gradient_accumulation_steps}")
     common.check_fits_context(model, max(len(p) + len(a) for p, a in examples), f"the longest example of {cfg.dataset}")
     num_params = sum(p.numel() for p in model.parameters())
     common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
@@ -188,16 +197,27 @@ def main(cfg: Config):
                     dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
         t0 = time.perf_counter()
-        input_ids, attention_mask, answer_mask = collate(rng.sample(examples, cfg.per_device_train_batch_size), tokenizer.pad_token_id)
-        input_ids, attention_mask, answer_mask = input_ids.to(device), attention_mask.to(device), answer_mask.to(device)
+        # The step's whole batch in one draw (the same draws whatever the accumulation), cut into
+        # gradient_accumulation_steps consecutive micro-batches of per_device_train_batch_size examples.
+        batch, size = rng.sample(examples, batch_size), cfg.per_device_train_batch_size
+        micro_batches = [[x.to(device) for x in collate(batch[i : i + size], tokenizer.pad_token_id)]
+                         for i in range(0, batch_size, size)]
+        num_tokens = common.token_count(torch.cat([answer_mask.flatten() for *_, answer_mask in micro_batches]))
 
-        # One pass, no length chunks: SFT's step is cheap already, and its seed-0 run stays bit for bit what
-        # it was before the RL speed-ups (reordering rows changes float rounding, which 700 steps amplify).
-        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1], length_chunks=1)  # [B, T]
-        loss = sft_loss(logprobs, answer_mask)
-        t1 = time.perf_counter()
+        # Each micro-batch divides by the step's answer-token count, so the gradients that backward() adds up
+        # are those of one pass over the step's batch (up to float rounding). One pass per micro-batch, no
+        # length chunks: SFT's step is cheap already, and its seed-0 run stays bit for bit what it was before
+        # the RL speed-ups (reordering rows changes float rounding, which 700 steps amplify).
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss, forward_time = 0.0, time.perf_counter() - t0  # forward_time: the collation, then the forward passes
+        for input_ids, attention_mask, answer_mask in micro_batches:
+            t1 = time.perf_counter()
+            T = answer_mask.shape[1]
+            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, length_chunks=1)  # [B, T]
+            micro_loss = sft_loss(logprobs, answer_mask, num_tokens)  # its share of the step's token mean
+            forward_time += time.perf_counter() - t1
+            micro_loss.backward()  # adds to the gradients of the earlier micro-batches
+            loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
@@ -209,7 +229,7 @@ def main(cfg: Config):
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             metrics = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
                        "learning_rate": scheduler.get_last_lr()[0],
-                       "time/logprobs": t1 - t0, "time/backward": time.perf_counter() - t1}
+                       "time/logprobs": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
         if (step % cfg.eval_steps == 0 or step == cfg.max_steps) and not has_answers:
             scores = held_out_loss(model, tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length),
                                    tokenizer.pad_token_id)
