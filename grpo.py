@@ -268,15 +268,15 @@ def main(cfg: Config):
     for step in progress:
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
         t0 = time.perf_counter()
-        rows = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows["question"] for _ in range(G)]
+        step_data = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
             model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
         )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
-        columns = {name: [value for value in values for _ in range(G)] for name, values in rows.items()}
+        columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
         rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
         rewards = rewards_per_func.sum(dim=1)  # [B*G]
 

@@ -47,9 +47,13 @@ class Config:
     max_steps: int = 80
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
     per_device_train_batch_size: int = 128
-    """prompts per step, one completion each"""
+    """prompts per micro-batch, one completion each; a step samples per_device_train_batch_size x
+    gradient_accumulation_steps prompts"""
     num_mini_batches: int = 1
-    """mini-batches the experience is split into, per PPO epoch"""
+    """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
+    gradient_accumulation_steps: int = 1
+    """micro-batches per mini-batch: the passes and the backward run one micro-batch at a time (less memory), and
+    their gradients add up to the mini-batch's (the same result)"""
     num_ppo_epochs: int = 1
     """passes over each batch of experience (DeepSpeed-Chat's ppo_epochs)"""
     max_completion_length: int = 64
@@ -208,14 +212,16 @@ def whiten(advantages, mask, eps=1e-8):
     return torch.where(mask, (advantages - mean) / (var.sqrt() + eps), 0.0)
 
 
-def masked_mean(values, mask):
+def masked_mean(values, mask, step_tokens=None):
     """Mean of values over the real tokens of the whole batch (a token mean; under torchrun the
-    denominator is the global batch's, see common.token_count)."""
+    denominator is the global batch's, see common.token_count). When these rows are one
+    micro-batch of an update, step_tokens (token_count of the update's mask) is the denominator,
+    so the micro-batch means add up to the update's mean (gradient accumulation)."""
     mask = mask.bool()
-    return torch.where(mask, values, 0.0).sum() / common.token_count(mask)
+    return torch.where(mask, values, 0.0).sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
 
 
-def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
+def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_tokens=None):
     """PPO's clipped surrogate, as a loss (note 000's actor_loss_fn), token mean over the batch:
 
         ratio = exp(logp - old_logp)
@@ -224,16 +230,16 @@ def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps):
     The max of the two losses is the min of the two objectives: once the ratio has moved past
     1 + eps (A > 0) or 1 - eps (A < 0), the clipped term is the larger loss and, being constant
     in theta, gives no gradient, so one batch cannot push the policy far (note 003's figure).
-    logprobs, old_logprobs, advantages, mask [B, T]."""
+    logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # junk on padding never reaches exp
     ratio = torch.exp(log_ratio)
     A = torch.where(mask, advantages, 0.0)
     loss = torch.max(-A * ratio, -A * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
-    return masked_mean(loss, mask)
+    return masked_mean(loss, mask, step_tokens)
 
 
-def ppo_critic_loss(values, old_values, returns, mask, clip_value):
+def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=None):
     """Clipped value loss (note 000's critic_loss_fn), token mean over the batch:
 
         v_clip = clip(v, old_v - c, old_v + c)
@@ -241,13 +247,13 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value):
 
     The critic is fitted to the returns R, but, like the actor, not allowed to move its values
     further than c from those it gave when the experience was made. values, old_values, returns,
-    mask [B, T]."""
+    mask [B, T]; step_tokens: see masked_mean."""
     mask = mask.bool()
     values = torch.where(mask, values, 0.0)
     old_values = torch.where(mask, old_values, 0.0)
     returns = torch.where(mask, returns, 0.0)
     clipped = torch.clamp(values, old_values - clip_value, old_values + clip_value)
-    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, step_tokens)
 
 
 def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
@@ -261,6 +267,7 @@ def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     common.check_settings(cfg)
+    step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # prompts per step
     if cfg.per_device_train_batch_size % cfg.num_mini_batches:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_mini_batches ({cfg.num_mini_batches})")
@@ -279,9 +286,8 @@ def main(cfg: Config):
         common.fail(f"--reward_model rule checks answers, and {cfg.dataset} has prompts only: pass a reward model")
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
-    if len(train_data) < cfg.per_device_train_batch_size:
-        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than --per_device_train_batch_size "
-                    f"({cfg.per_device_train_batch_size})")
+    if len(train_data) < step_batch:
+        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {step_batch} a step samples")
     actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
     longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]), cfg.system_prompt)
     common.check_fits_context(actor, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
@@ -346,8 +352,8 @@ def main(cfg: Config):
     for step in progress:
         # 1. Rollout: the actor decodes one completion per prompt.
         t0 = time.perf_counter()
-        rows = train_data[rng.sample(range(len(train_data)), cfg.per_device_train_batch_size)]
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in rows[columns[0]]]
+        step_data = train_data[rng.sample(range(len(train_data)), step_batch)]  # {column: [B values]}
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
         prompt_ids, prompt_mask, completion_ids, mask = common.generate(
             actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
         )  # [B, P], [B, P], [B, T], [B, T]
@@ -357,18 +363,22 @@ def main(cfg: Config):
         T = completion_ids.shape[1]
         t1 = time.perf_counter()
 
-        # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse.
+        # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse, one
+        # micro-batch of rows at a time (gradient accumulation: the logits of one micro-batch in memory).
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
+        old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=device) for _ in range(3))  # [B, T]
         with torch.no_grad():
-            # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
-            # stays even with one epoch and one mini-batch (where the training pass recomputes them).
-            old_logprobs = common.completion_logprobs(actor, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
-            with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
-                ref_logprobs = common.completion_logprobs(pi_ref, input_ids, attention_mask, T, cfg.temperature)  # [B, T]
-            old_values = critic_values(critic, input_ids, attention_mask, T)  # [B, T]
+            for rows in micro_batches:
+                # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
+                # stays even with one epoch and one mini-batch (where the training pass recomputes them).
+                old_logprobs[rows] = common.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
+                    ref_logprobs[rows] = common.completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
             if reward_model is None:
-                score = rule_scores(completions, rows["answer"]).to(device)  # [B]
+                score = rule_scores(completions, step_data["answer"]).to(device)  # [B]
             else:
-                score = reward_scores(reward_model, input_ids, attention_mask)  # [B]
+                score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows]) for rows in micro_batches])  # [B]
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
             rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, cfg.kl_coef, cfg.clip_score)  # [B, T]
             advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
@@ -376,28 +386,42 @@ def main(cfg: Config):
                 advantages = whiten(advantages, mask)
         t2 = time.perf_counter()
 
-        # 5. PPO epochs over mini-batches of the experience: actor step, then critic step.
+        # 5. PPO epochs over mini-batches of the experience: one actor and one critic update per mini-batch.
         time_forward = time_backward = 0.0
         stats = {key: [] for key in ("actor_loss", "critic_loss", "actor_clip", "critic_clip", "entropy")}
         for _ in range(cfg.num_ppo_epochs):
             for idx in torch.randperm(len(prompts)).chunk(cfg.num_mini_batches):
-                t3 = time.perf_counter()
-                logprobs, entropy = common.completion_logprobs(
-                    actor, input_ids[idx], attention_mask[idx], T, cfg.temperature, with_entropy=True)  # [b, T]
-                actor_loss = ppo_actor_loss(logprobs, old_logprobs[idx], advantages[idx], mask[idx], cfg.cliprange)
-                values = critic_values(critic, input_ids[idx], attention_mask[idx], T)  # [b, T]
-                critic_loss = ppo_critic_loss(values, old_values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                actor_optimizer.zero_grad(set_to_none=True)
+                critic_optimizer.zero_grad(set_to_none=True)
+                # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
+                step_tokens = common.token_count(mask[idx]) if cfg.gradient_accumulation_steps > 1 else None
+                logprobs, entropy, values = (torch.zeros(len(idx), T, device=device) for _ in range(3))  # [b, T], detached
+                actor_loss = critic_loss = 0.0
+                for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
+                    rows = idx[part]
+                    t3 = time.perf_counter()
+                    micro_logprobs, entropy[part] = common.completion_logprobs(
+                        actor, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [b', T]
+                    micro_actor_loss = ppo_actor_loss(micro_logprobs, old_logprobs[rows], advantages[rows], mask[rows],
+                                                      cfg.cliprange, step_tokens)
+                    micro_values = critic_values(critic, input_ids[rows], attention_mask[rows], T)  # [b', T]
+                    micro_critic_loss = ppo_critic_loss(micro_values, old_values[rows], returns[rows], mask[rows],
+                                                        cfg.cliprange_value, step_tokens)
+                    t4 = time.perf_counter()
+                    micro_actor_loss.backward()  # gradients add up over the micro-batches
+                    micro_critic_loss.backward()
+                    logprobs[part], values[part] = micro_logprobs.detach(), micro_values.detach()
+                    actor_loss, critic_loss = actor_loss + micro_actor_loss.detach(), critic_loss + micro_critic_loss.detach()
+                    time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
                 t4 = time.perf_counter()
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer), (critic_loss, critic, critic_optimizer)):
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
                     common.average_gradients(model)  # DDP: the same update on every process
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
                     optimizer.step()
                 for scheduler in schedulers:
                     scheduler.step()
-                time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
+                time_backward += time.perf_counter() - t4
                 with torch.no_grad():
                     ratio = torch.exp(torch.where(mask[idx].bool(), logprobs - old_logprobs[idx], 0.0))
                     stats["actor_loss"].append(actor_loss.item())
@@ -414,7 +438,7 @@ def main(cfg: Config):
         metrics = {
             "step": step,
             "score": score.mean().item(),
-            **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, rows["answer"])])}
+            **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])}
                if has_answers else {}),
             "kl": kl,  # sum over a completion's tokens of log pi/pi_ref, mean over completions
             "loss/actor": mean(stats["actor_loss"]),

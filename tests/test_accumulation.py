@@ -1,4 +1,4 @@
-"""Gradient accumulation (--gradient_accumulation_steps) in grpo.py and mix.py: it changes memory, not the result."""
+"""Gradient accumulation (--gradient_accumulation_steps) in grpo.py, mix.py and ppo.py: it changes memory, not the result."""
 import os
 
 import pytest
@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 import grpo
 import mix
+import ppo
 from conftest import read_metrics, run_main
 from floats import assert_close, tolerance
 
@@ -86,3 +87,49 @@ def test_accumulation_4_equals_one_pass_end_to_end(sft_checkpoint, tmp_path, scr
     update = sum(((w_one[k] - start[k]) ** 2).sum() for k in start).sqrt()
     difference = sum(((w_four[k] - w_one[k]) ** 2).sum() for k in start).sqrt()
     assert update > 0 and difference <= 1e-3 * update, (difference, update)
+
+
+def test_ppo_micro_batch_losses_add_up_to_the_mini_batch_loss():
+    """PPO's actor and critic losses are token means over a mini-batch: with the mini-batch's token
+    count as denominator, its micro-batches add up to the one-pass losses and gradients."""
+    logprobs, old, _, _, mask = _rollout()
+    g = torch.Generator().manual_seed(1)
+    advantages, returns = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    values = torch.randn(mask.shape, generator=g).requires_grad_(True)
+    old_values = values.detach() + 0.3 * torch.randn(mask.shape, generator=g)
+    for loss_fn, x, args in ((ppo.ppo_actor_loss, logprobs, (old, advantages, mask, 0.2)),
+                             (ppo.ppo_critic_loss, values, (old_values, returns, mask, 0.2))):
+        whole = loss_fn(x, *args)
+        (expected,) = torch.autograd.grad(whole, x)
+        total, grad = 0.0, torch.zeros_like(x)
+        for rows in torch.arange(len(mask)).split(3):
+            micro = loss_fn(x[rows], *(a[rows] for a in args[:3]), args[3], mask.sum())
+            total = total + micro.detach()
+            grad += torch.autograd.grad(micro, x)[0]
+        assert_close(total, whole.detach(), terms=int(mask.sum()), scale=4.0)  # terms of size |A| ratio, (v - R)^2
+        assert_close(grad, expected, terms=int(mask.sum()))
+
+
+def test_ppo_accumulation_2_equals_one_pass_end_to_end(sft_checkpoint, tmp_path):
+    """One PPO step on 16 prompts as 1 micro-batch of 16 or 2 of 8: the same rollout and score,
+    the same actor and critic losses to float rounding, and the same actor and critic weights (as
+    norms, for AdamW's first step: see above)."""
+    common_args = ["--model", sft_checkpoint, "--reward_model", "rule", "--max_steps", "1", "--eval_steps", "100",
+                   "--num_eval_examples", "4", "--warmup_steps", "0"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run_main("ppo.py", *common_args, "--per_device_train_batch_size", "16", "--output_dir", one)
+    run_main("ppo.py", *common_args, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+             "--output_dir", two)
+    (a,), (b,) = ([row for row in read_metrics(d) if "score" in row] for d in (one, two))
+    assert a["score"] == b["score"] and a["completion_length"] == b["completion_length"]
+    terms = 16 * 64
+    assert_close(b["loss/actor"], a["loss/actor"], terms=terms, scale=4.0)  # whitened advantages x ratio
+    assert_close(b["loss/critic"], a["loss/critic"], terms=terms)
+    start = load_file(os.path.join(sft_checkpoint, "model.safetensors"))
+    for sub in ("", "critic"):  # the critic is the SFT transformer with a new value head: compare the transformer
+        w_one, w_two = (load_file(os.path.join(d, sub, "model.safetensors")) for d in (one, two))
+        shared = [k for k in w_one if k in start]
+        assert len(shared) >= len(w_one) - 1, sub
+        update = sum(((w_one[k] - start[k]) ** 2).sum() for k in shared).sqrt()
+        difference = sum(((w_two[k] - w_one[k]) ** 2).sum() for k in shared).sqrt()
+        assert update > 0 and difference <= 1e-3 * update, (sub, difference, update)
