@@ -78,6 +78,12 @@ class Config:
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""
+    eval_samples_per_problem: int = 4
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+    per_device_eval_batch_size: int = 512
+    """completions generated at once during evaluation (lower it for a large model)"""
+    eval_on_start: bool = True
+    """evaluate before the first step too (the 'before' of the run's before -> after)"""
     seed: int = 0
     """random seed"""
     lora_r: int | None = None
@@ -245,7 +251,8 @@ def main(cfg: Config):
     started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
 
     def evaluate(step):
-        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                            cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                                             "eval/accuracy_sampled": scores["accuracy_sampled"],
                                             "time/elapsed": time.perf_counter() - started})
@@ -261,7 +268,7 @@ def main(cfg: Config):
         initial, scores = results["initial"], results["scores"]
     else:
         common.start_output_dir(cfg.output_dir)
-        first_step, initial = 0, evaluate(0)
+        first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="grpo",
                     dynamic_ncols=True, disable=not common.show_progress())
@@ -359,6 +366,9 @@ def main(cfg: Config):
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
             common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
+    def change(key):  # "before -> after", or "after" alone without --eval_on_start
+        return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
+
     common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
     common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
     png = common.plot_metrics(
@@ -368,9 +378,8 @@ def main(cfg: Config):
          "kl to reference": ["kl"], "completion length": ["completion_length"]},
         "GRPO",
     )
-    common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
-               f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
-               f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+    common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
+               f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {png}")
     return model
 
 

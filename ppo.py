@@ -88,6 +88,12 @@ class Config:
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""
+    eval_samples_per_problem: int = 4
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+    per_device_eval_batch_size: int = 512
+    """completions generated at once during evaluation (lower it for a large model)"""
+    eval_on_start: bool = True
+    """evaluate before the first step too (the 'before' of the run's before -> after)"""
     seed: int = 0
     """random seed"""
     lora_r: int | None = None
@@ -329,7 +335,8 @@ def main(cfg: Config):
             common.log_metrics(cfg.output_dir, {"step": step, "eval/score": scores["score"]})
             common.log(f"step {step}: held-out reward-model score of greedy completions {scores['score']:.3f}")
             return scores
-        scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+        scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                            cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
         common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                                             "eval/accuracy_sampled": scores["accuracy_sampled"],
                                             "time/elapsed": time.perf_counter() - started})
@@ -345,7 +352,7 @@ def main(cfg: Config):
         initial, scores = results["initial"], results["scores"]
     else:
         common.start_output_dir(cfg.output_dir)
-        first_step, initial = 0, evaluate(0)
+        first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="ppo",
                     dynamic_ncols=True, disable=not common.show_progress())
@@ -463,6 +470,9 @@ def main(cfg: Config):
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
             common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
+    def change(key):  # "before -> after", or "after" alone without --eval_on_start
+        return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
+
     common.save_checkpoint(actor, tokenizer, cfg.output_dir, cfg.merge_lora)
     os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)
     common.save_checkpoint(critic, tokenizer, os.path.join(cfg.output_dir, "critic"))
@@ -474,12 +484,11 @@ def main(cfg: Config):
         "PPO",
     )
     if has_answers:
-        common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {initial['accuracy_sampled']:.1%} -> "
-                   f"{scores['accuracy_sampled']:.1%}, greedy {initial['accuracy_greedy']:.1%} -> "
-                   f"{scores['accuracy_greedy']:.1%} (n={scores['n']}); curves in {png}")
+        common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
+                   f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {png}")
     else:
-        common.log(f"saved model to {cfg.output_dir}; held-out reward-model score {initial['score']:.3f} -> "
-                   f"{scores['score']:.3f} (n={scores['n']}); curves in {png}")
+        common.log(f"saved model to {cfg.output_dir}; held-out reward-model score "
+                   f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); curves in {png}")
     return actor
 
 

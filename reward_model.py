@@ -66,6 +66,8 @@ class Config:
     """evaluate held-out pairwise accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out pairs per evaluation (0 = the whole test split)"""
+    per_device_eval_batch_size: int = 256
+    """pairs scored at once during evaluation (lower it for a large model)"""
     logging_steps: int = 10
     """write a metrics.jsonl line every this many steps"""
     seed: int = 0
@@ -283,11 +285,11 @@ def main(cfg: Config):
                        "learning_rate": scheduler.get_last_lr()[0],
                        "time/forward": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = evaluate(model, test_pairs, tokenizer.pad_token_id)
+            scores = evaluate(model, test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
             metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"], "eval/margin": scores["margin"]})
             message = f"step {step}: held-out pairwise accuracy {scores['pairwise_accuracy']:.1%}, margin {scores['margin']:.2f}"
             if policy_test_pairs:
-                on_policy = evaluate(model, policy_test_pairs, tokenizer.pad_token_id)
+                on_policy = evaluate(model, policy_test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
                 scores["policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
                 metrics["eval/policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
                 message += f"; on the policy's own samples {on_policy['pairwise_accuracy']:.1%}"

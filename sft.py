@@ -57,6 +57,12 @@ class Config:
     """evaluate held-out accuracy every this many steps"""
     num_eval_examples: int = 500
     """held-out problems per evaluation (0 = the whole test split)"""
+    eval_samples_per_problem: int = 4
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+    per_device_eval_batch_size: int = 512
+    """completions generated at once during evaluation (lower it for a large model)"""
+    eval_on_start: bool = False
+    """evaluate before the first step too (the starting model's accuracy)"""
     logging_steps: int = 10
     """write a metrics.jsonl line every this many steps"""
     seed: int = 0
@@ -193,6 +199,18 @@ def main(cfg: Config):
         first_step, results = 0, {"scores": None}
     scores = results["scores"]
 
+    def evaluate(step):
+        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                                 cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
+        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
+                   f"sampled {scores['accuracy_sampled']:.1%}")
+        return scores
+
+    if cfg.eval_on_start and not cfg.resume and has_answers:  # the starting model, logged as step 0
+        start = evaluate(0)
+        common.log_metrics(cfg.output_dir, {"step": 0, "eval/accuracy_greedy": start["accuracy_greedy"],
+                                            "eval/accuracy_sampled": start["accuracy_sampled"], "time/elapsed": 0.0})
+
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="sft",
                     dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
@@ -236,12 +254,10 @@ def main(cfg: Config):
             metrics.update({"step": step, "eval/loss": scores["loss"]})
             common.log(f"step {step}: held-out loss {scores['loss']:.3f}")
         elif step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt)
+            scores = evaluate(step)
             metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
                             "eval/accuracy_sampled": scores["accuracy_sampled"],
                             "time/elapsed": time.perf_counter() - started})
-            common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                       f"sampled {scores['accuracy_sampled']:.1%}")
         if metrics:
             common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
