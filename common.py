@@ -540,20 +540,44 @@ def autocast(model):
     return contextlib.nullcontext()
 
 
-def memory_estimate(trained_models, frozen_models=()) -> str:
+def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_length: int = 0,
+                    completion_length: int = 0, gradient_checkpointing: bool = False) -> str:
     """Note 002's memory table for this run, in GiB: the weights; gradients and AdamW's two
     moments, fp32, for each *trained* parameter (all of them, or with LoRA only the adapters);
-    frozen copies (reference policy, reward model). Activations come on top and grow with
-    batch x sequence length (gradient_checkpointing trades them for recomputation)."""
+    frozen copies (reference policy, reward model). Then, when the micro-batch is given (rows of
+    sequence_length tokens, the last completion_length of them scored), what one micro-batch's
+    forward pass keeps for its backward (gradient_checkpointing trades it for recomputation):
+
+      activations  layers x rows x sequence_length x (6 d + 2 d_kv + 4 d_ff) floats per token: per
+                   decoder layer autograd saves the two RMSNorms' inputs and outputs (4 d), the
+                   attention's q, k, v and output (2 d + 2 d_kv), and the MLP's gate, up, SiLU and
+                   product (4 d_ff); d = hidden size, d_kv = key/value width (GQA), d_ff = MLP width.
+                   With gradient checkpointing: each layer's input (d), plus one layer's worth for
+                   the layer being recomputed
+      logits       2 x rows x completion_length x vocabulary floats: the logits, and the softmax
+                   the log-sum-exp's backward makes from them
+
+    An upper bound for GRPO, whose prompt_cache runs each distinct prompt once, not once per row."""
     weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
     trained = sum(p.numel() for m in trained_models for p in m.parameters() if p.requires_grad)
     total = sum(p.numel() for m in trained_models for p in m.parameters())
-    rows = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
-            (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M)", 4 * trained),
-            ("AdamW moments (2 x fp32 per trained parameter)", 8 * trained),
-            ("frozen copies (reference, reward model)", sum(weights(m) for m in frozen_models))]
-    lines = [f"  {name:<58} {size / 2**30:8.3f} GiB" for name, size in rows]
-    lines.append(f"  {'total, before activations':<58} {sum(size for _, size in rows) / 2**30:8.3f} GiB")
+    rows_ = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
+             (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M)", 4 * trained),
+             ("AdamW moments (2 x fp32 per trained parameter)", 8 * trained),
+             ("frozen copies (reference, reward model)", sum(weights(m) for m in frozen_models))]
+    if rows and trained_models:
+        c = trained_models[0].config
+        c = getattr(c, "text_config", None) or c
+        d_kv = c.hidden_size // c.num_attention_heads * getattr(c, "num_key_value_heads", c.num_attention_heads)
+        per_layer = 6 * c.hidden_size + 2 * d_kv + 4 * c.intermediate_size  # floats per token
+        per_token = (c.num_hidden_layers * c.hidden_size + per_layer if gradient_checkpointing
+                     else c.num_hidden_layers * per_layer)
+        rows_ += [(f"activations of one micro-batch ({rows} x {sequence_length} tokens)",
+                   4 * rows * sequence_length * per_token),
+                  (f"logits of one micro-batch ({rows} x {completion_length} x {c.vocab_size})",
+                   2 * 4 * rows * completion_length * c.vocab_size)]
+    lines = [f"  {name:<62} {size / 2**30:8.3f} GiB" for name, size in rows_]
+    lines.append(f"  {'total' if rows else 'total, before activations':<62} {sum(size for _, size in rows_) / 2**30:8.3f} GiB")
     return "memory estimate (note 002):\n" + "\n".join(lines)
 
 

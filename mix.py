@@ -370,7 +370,10 @@ def main(cfg: Config):
     # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
     # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
-    common.log(common.memory_estimate([model], [ref_model] if ref_model else []))
+    common.log(common.memory_estimate([model], [ref_model] if ref_model else [], rows=cfg.per_device_train_batch_size,
+                                      sequence_length=longest + cfg.max_completion_length,
+                                      completion_length=cfg.max_completion_length,
+                                      gradient_checkpointing=cfg.gradient_checkpointing))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)

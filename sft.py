@@ -183,7 +183,9 @@ def main(cfg: Config):
     common.check_fits_context(model, max(len(p) + len(a) for p, a in examples), f"the longest example of {cfg.dataset}")
     num_params = sum(p.numel() for p in model.parameters())
     common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
-               f"{world_size} process(es)\n{common.memory_estimate([model])}")
+               f"{world_size} process(es)\n" + common.memory_estimate(
+                   [model], rows=cfg.per_device_train_batch_size, sequence_length=max(len(p) + len(a) for p, a in examples),
+                   completion_length=max(len(a) for _, a in examples)))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)

@@ -5,6 +5,8 @@ work through TRL's GRPOTrainer, one after the other on this machine. One command
     python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
     python benchmarks/run.py --chain               # the README's whole chain at full defaults (~14 min),
                                                    # then docs/compare.png: accuracy vs step and vs wall-clock
+    python benchmarks/run.py --model path/to/model.gguf --steps 4 --rounds 1 -- \
+        --per_device_train_batch_size 16 --num_generations 4     # grpo.py vs TRL on a real model, these settings
 
 Each run is its own process (so peak memory is its own), trains --steps steps from out/sft (PPO:
 and out/rm), and is timed from the `time/*` fields of its metrics.jsonl (TRL: a callback timing
@@ -46,15 +48,16 @@ def child(script, args, result_file):
         json.dump({"peak_rss_mb": peak_kb / 1024}, f)
 
 
-def run(name, steps, workdir):
-    """One short training run of `name` in its own process: its step times, completion lengths, peak RSS, wall time."""
+def run(name, steps, workdir, extra=()):
+    """One short training run of `name` in its own process: its step times, completion lengths, peak RSS, wall time.
+    extra: grpo.py settings that grpo.py and TRL's run both take (--model, batch, lengths, ...)."""
     script, _ = RUNS[name]
     out, result_file = os.path.join(workdir, name.split()[0].replace(".py", "")), os.path.join(workdir, "rss.json")
     if script.startswith("benchmarks/"):
-        args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json")]
+        args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json"), *extra]
     else:  # a short run: evaluate a few problems only, checkpoint once at the end
         args = ["--max_steps", str(steps), "--output_dir", out, "--num_eval_examples", "8", "--eval_steps", str(steps),
-                "--save_steps", str(steps)]
+                "--save_steps", str(steps), *(["--eval_on_start", "false", *extra] if extra else [])]
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -68,10 +71,10 @@ def run(name, steps, workdir):
             **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "logprobs", "backward")}}
 
 
-def summary(name, runs):
-    """Medians over every measured step of every round of one script."""
+def summary(name, runs, per_step=None):
+    """Medians over every measured step of every round of one script (per_step: completions per step)."""
     every = {key: [x for r in runs for x in r[key]] for key in runs[0] if isinstance(runs[0][key], list)}
-    seconds, per_step = statistics.median(every["step"]), RUNS[name][1]
+    seconds, per_step = statistics.median(every["step"]), per_step or RUNS[name][1]
     return {"name": name, "step_s": seconds, "steps_measured": len(every["step"]),
             **{part: statistics.median(every[part]) for part in ("generation", "logprobs", "backward") if part in every},
             "completions_per_s": per_step / seconds, "tokens_per_s": statistics.mean(every["length"]) * per_step / seconds,
@@ -106,13 +109,25 @@ def main():
     parser.add_argument("--chain", action="store_true", help="instead: time the whole default chain (sft.py ... mix.py)")
     parser.add_argument("--figure", default="docs/compare.png", help="with --chain: where the accuracy figure goes")
     parser.add_argument("--output", default=None, help="the table as JSON (default out/bench/results.json or chain.json)")
-    args = parser.parse_args()
+    parser.add_argument("--model", default=None, help="compare grpo.py and TRL on this model (a folder or a .gguf) "
+                                                      "instead of out/sft; grpo.py settings may follow `--`")
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    per_step = None
+    if args.model or extra:  # a real model: grpo.py and TRL only, both with these settings
+        extra = ["--model", args.model or "out/sft", *extra]
+        args.only = [name for name in args.only if name in ("grpo.py", "TRL GRPOTrainer")]
+        sys.path.insert(0, ROOT)
+        import common
+        import grpo
+        settings = common.parse_config(grpo.Config, extra)
+        per_step = settings.per_device_train_batch_size * settings.gradient_accumulation_steps
     import torch  # only to print the setup
 
     print(f"{time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
     os.makedirs(os.path.join(ROOT, "out/bench"), exist_ok=True)
-    if not args.chain and not os.path.isfile(os.path.join(ROOT, "out/sft/config.json")):
+    if not args.chain and not args.model and not os.path.isfile(os.path.join(ROOT, "out/sft/config.json")):
         sys.exit("error: the runs start from out/sft (and ppo.py from out/rm): run `python sft.py && python reward_model.py` first")
     if not args.chain and "TRL GRPOTrainer" in args.only and importlib.util.find_spec("trl") is None:
         sys.exit("error: trl is not installed: `pip install -r benchmarks/requirements.txt`, or leave it out with "
@@ -130,17 +145,17 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         for round in range(args.rounds):  # rounds interleave the scripts, so a slow spell of the machine hits all
             for name in args.only:
-                runs[name].append(run(name, args.steps, workdir))
+                runs[name].append(run(name, args.steps, workdir, extra))
                 print(f"  round {round + 1}, {name}: median {statistics.median(runs[name][-1]['step']):.2f} s/step "
                       f"({runs[name][-1]['wall_s']:.0f} s)", flush=True)
-    results = [summary(name, runs[name]) for name in args.only]
+    results = [summary(name, runs[name], per_step) for name in args.only]
 
     dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
     print("\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s | peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'logprobs')} | {dash(r, 'backward')} "
-              f"| {r['completions_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+              f"| {r['completions_per_s']:.3g} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
     by_name = {r["name"]: r for r in results}
     if "grpo.py" in by_name and "TRL GRPOTrainer" in by_name:
         ratio = by_name["grpo.py"]["completions_per_s"] / by_name["TRL GRPOTrainer"]["completions_per_s"]

@@ -7,6 +7,9 @@ loss_type (TRL 'dapo'), learning rate (TRL 1e-6), bf16 (off: grpo.py uses fp32 o
 scheduler and warmup, and AdamW (TRL 'adamw_torch_fused'; grpo.py uses torch.optim.AdamW).
 
     python benchmarks/trl_grpo.py --max_steps 6 --result /tmp/trl.json
+    python benchmarks/trl_grpo.py --model path/to/model.gguf --per_device_train_batch_size 16 --num_generations 4
+
+Any other flag is grpo.py's (the same Config), so both sides take the same settings.
 """
 import argparse
 import json
@@ -43,23 +46,26 @@ class StepTimer(TrainerCallback):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_steps", type=int, default=6)
-    parser.add_argument("--output_dir", default="out/bench/trl")
     parser.add_argument("--result", default=None, help="write the measured figures to this JSON file")
-    args = parser.parse_args()
-    ours = grpo.Config()  # the settings to copy
+    args, grpo_args = parser.parse_known_args()
+    ours = common.parse_config(grpo.Config, ["--max_steps", "6", "--output_dir", "out/bench/trl", *grpo_args])  # the settings to copy
 
     model, tokenizer = common.load_model(ours.model, missing_hint="run `python sft.py` first")
+    if ours.model.endswith(".gguf"):  # TRL loads its reference model from the policy's path: give it a folder
+        folder = os.path.join(ours.output_dir, "model")
+        common.save_checkpoint(model, tokenizer, folder)
+        model, tokenizer = common.load_model(folder)
     train = common.load_split(ours.dataset, "train")
     train = datasets.Dataset.from_dict({
         "prompt": [common.make_prompt(tokenizer, q, ours.system_prompt) for q in train["question"]],
         "answer": list(train["answer"]),
     })
     config = GRPOConfig(
-        output_dir=args.output_dir,
-        max_steps=args.max_steps,
+        output_dir=ours.output_dir,
+        max_steps=ours.max_steps,
         num_generations=ours.num_generations,
-        per_device_train_batch_size=ours.per_device_train_batch_size,  # completions per step, as in grpo.py
+        per_device_train_batch_size=ours.per_device_train_batch_size,  # completions per micro-batch, as in grpo.py
+        gradient_accumulation_steps=ours.gradient_accumulation_steps,  # TRL generates for all of them at once too
         max_completion_length=ours.max_completion_length,
         temperature=ours.temperature, top_k=0, top_p=1.0,
         num_iterations=ours.num_iterations,

@@ -44,6 +44,15 @@ def policy(gguf_path):
 
 
 @pytest.fixture(scope="module")
+def smollm2_folder(policy, tmp_path_factory):
+    """The GGUF model saved once as a plain model folder: the end-to-end runs of four scripts start
+    from it (a GGUF load takes ~13 s here, a folder ~1 s); grpo.py reads the .gguf itself."""
+    folder = str(tmp_path_factory.mktemp("smollm2"))
+    common.save_checkpoint(*policy, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def batch(policy):
     """Two chat prompts of different lengths, left padded as generate pads them: (input_ids, attention_mask)."""
     tokenizer = policy[1]
@@ -208,25 +217,36 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # a rollout prompt ends the same way
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "mix.py"])
-def test_rl_scripts_train_the_real_model_with_lora_and_accumulation(gguf_path, tmp_path, script):
-    """Two steps on SmolLM2-135M-Instruct from its .gguf: LoRA r 8, 2 micro-batches per step, the
-    adapter saved on its GGUF base. The raw model never writes our format (every reward is -2, so
-    GRPO's advantages and gradient are 0: it needs SFT first); MIX's expert rows still teach it,
-    so its adapter's B matrices move from zero."""
+ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
+    "sft.py": ["--per_device_train_batch_size", "2", "--max_completion_length", "64", "--logging_steps", "1"],
+    "reward_model.py": ["--per_device_train_batch_size", "2", "--policy_prompts", "0", "--max_length", "160",
+                        "--logging_steps", "1"],
+    "ppo.py": ["--reward_model", "rule", "--per_device_train_batch_size", "2", "--max_completion_length", "16"],
+    "grpo.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16"],
+    "mix.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--expert_data_ratio", "0.5",
+               "--max_completion_length", "48"],  # room for an expert answer
+}
+
+
+@pytest.mark.parametrize("script", list(ARGS))
+def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path, smollm2_folder, tmp_path, script):
+    """Two steps of each script on SmolLM2-135M-Instruct (grpo.py from its .gguf, the others from
+    the same weights saved as a folder), as a user runs them with --lora_r 8
+    --gradient_accumulation_steps 2: the adapter is saved and names its base. The raw model
+    never writes our format (every reward is -2, so GRPO's and PPO's rule-based advantages can be 0:
+    it needs SFT first); SFT, the reward model and MIX's expert rows always teach it, so their
+    adapters' B matrices move from zero."""
     from conftest import read_metrics, run_main
     from safetensors.torch import load_file
 
-    out = str(tmp_path / script)
-    run_main(script, "--model", gguf_path, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
-             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--num_generations", "4",
-             "--max_completion_length", "48" if script == "mix.py" else "16",  # room for an expert answer
-             "--eval_steps", "100", "--num_eval_examples", "1", "--warmup_steps", "1",
-             *(["--expert_data_ratio", "0.5"] if script == "mix.py" else []))
-    rows = [row for row in read_metrics(out) if "loss" in row]
-    assert len(rows) == 2 and all(-2.0 <= row["reward"] <= 2.25 and math.isfinite(row["loss"]) for row in rows)
+    out, model = str(tmp_path / script), gguf_path if script == "grpo.py" else smollm2_folder
+    run_main(script, "--model", model, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
+             "--gradient_accumulation_steps", "2", "--eval_steps", "100", "--num_eval_examples", "1",
+             "--warmup_steps", "1", *ARGS[script])
+    rows = [row for row in read_metrics(out) if "loss" in row or "loss/actor" in row]
+    assert len(rows) == 2 and all(math.isfinite(row.get("loss", row.get("loss/actor", 0.0))) for row in rows)
     adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
     moved = any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
-    assert moved == (script == "mix.py" or any(row["grad_norm"] > 0 for row in rows))
+    assert moved or script in ("grpo.py", "ppo.py"), script
     with open(os.path.join(out, "adapter_config.json")) as f:
-        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(gguf_path)
+        assert os.path.abspath(json.load(f)["base_model_name_or_path"]) == os.path.abspath(model)
