@@ -4,7 +4,8 @@ Same model folder, data, prompts (rendered by common.make_prompt), reward functi
 from grpo.py), group size, batch, max new tokens, beta, epsilon, learning rate and schedule, one
 update per batch. TRL's defaults that differ from grpo.py's are set explicitly: beta (TRL 0),
 loss_type (TRL 'dapo'), learning rate (TRL 1e-6), bf16 (off: grpo.py uses fp32 on CPU), the
-scheduler and warmup, and AdamW (TRL 'adamw_torch_fused'; grpo.py uses torch.optim.AdamW).
+scheduler and warmup, AdamW (TRL 'adamw_torch_fused'; grpo.py uses torch.optim.AdamW), and
+gradient checkpointing (TRL 1.16 turns it on by default; grpo.py only with --gradient_checkpointing).
 
     python benchmarks/trl_grpo.py --max_steps 6 --result /tmp/trl.json
     python benchmarks/trl_grpo.py --model path/to/model.gguf --per_device_train_batch_size 16 --num_generations 4
@@ -80,6 +81,7 @@ def main():
         weight_decay=ours.weight_decay,
         max_grad_norm=ours.max_grad_norm,
         optim="adamw_torch",
+        gradient_checkpointing=ours.gradient_checkpointing,  # TRL 1.16's default is True
         bf16=False, use_cpu=True,
         seed=ours.seed,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
