@@ -561,7 +561,7 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
     weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
     trained = sum(p.numel() for m in trained_models for p in m.parameters() if p.requires_grad)
     total = sum(p.numel() for m in trained_models for p in m.parameters())
-    rows_ = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
+    table = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
              (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M)", 4 * trained),
              ("AdamW moments (2 x fp32 per trained parameter)", 8 * trained),
              ("frozen copies (reference, reward model)", sum(weights(m) for m in frozen_models))]
@@ -572,12 +572,12 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
         per_layer = 6 * c.hidden_size + 2 * d_kv + 4 * c.intermediate_size  # floats per token
         per_token = (c.num_hidden_layers * c.hidden_size + per_layer if gradient_checkpointing
                      else c.num_hidden_layers * per_layer)
-        rows_ += [(f"activations of one micro-batch ({rows} x {sequence_length} tokens)",
+        table += [(f"activations of one micro-batch ({rows} x {sequence_length} tokens)",
                    4 * rows * sequence_length * per_token),
                   (f"logits of one micro-batch ({rows} x {completion_length} x {c.vocab_size})",
                    2 * 4 * rows * completion_length * c.vocab_size)]
-    lines = [f"  {name:<62} {size / 2**30:8.3f} GiB" for name, size in rows_]
-    lines.append(f"  {'total' if rows else 'total, before activations':<62} {sum(size for _, size in rows_) / 2**30:8.3f} GiB")
+    lines = [f"  {name:<62} {size / 2**30:8.3f} GiB" for name, size in table]
+    lines.append(f"  {'total' if rows else 'total, before activations':<62} {sum(size for _, size in table) / 2**30:8.3f} GiB")
     return "memory estimate (note 002):\n" + "\n".join(lines)
 
 

@@ -186,7 +186,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "grpo":
         per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
-        return per_sequence.mean() if step_sequences is None else per_sequence.sum() / step_sequences
+        return per_sequence.sum() / (len(mask) if step_sequences is None else step_sequences)
     if loss_type == "dapo":  # under torchrun: the global batch's tokens
         return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -302,9 +302,8 @@ def main(cfg: Config):
         # losses are normalised by the whole step's counts, so the gradients add up to the step's.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
         step_sequences, step_tokens = len(input_ids), common.token_count(completion_mask)
-        zeros = lambda: torch.zeros(completion_ids.shape, device=device)  # noqa: E731  [B*G, T]
-        ref_logprobs = zeros() if cfg.beta > 0 else None
-        old_logprobs = zeros() if cfg.num_iterations > 1 else None
+        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G, T]
+        old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
         with torch.no_grad():
             for rows in micro_batches:
                 if cfg.beta > 0:
@@ -318,14 +317,13 @@ def main(cfg: Config):
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            logprobs, loss = zeros(), 0.0  # [B*G, T] (detached, for logging), the step's loss
+            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the step's loss
             for rows in micro_batches:
                 t2 = time.perf_counter()
-                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
                 old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
                 micro_loss = grpo_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
-                                       completion_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type,
-                                       *((step_sequences, step_tokens) if len(micro_batches) > 1 else ()))
+                                       completion_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type, step_sequences, step_tokens)
                 t3 = time.perf_counter()
                 micro_loss.backward()  # gradients add up over the micro-batches
                 logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()

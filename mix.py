@@ -197,7 +197,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "grpo":
         per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
-        return per_sequence.mean() if step_sequences is None else per_sequence.sum() / step_sequences
+        return per_sequence.sum() / (len(mask) if step_sequences is None else step_sequences)
     if loss_type == "dapo":  # under torchrun: the global batch's tokens
         return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -276,7 +276,7 @@ def sft_loss(logprobs, mask, loss_type="grpo", step_sequences=None, step_tokens=
     nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
     if loss_type == "grpo":
         per_answer = nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B']
-        return per_answer.mean() if step_sequences is None else per_answer.sum() / step_sequences
+        return per_answer.sum() / (len(mask) if step_sequences is None else step_sequences)
     if loss_type == "dapo":  # under torchrun: the global batch's tokens
         return nll.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -305,14 +305,12 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
         (per_micro_batch_weight_usual / _expert), so that the micro-batches add up to the mean over
         the whole step. Here step_masks = (mask, expert_mask) of the whole step gives each term the
         step's counts of usual and expert rows and tokens as its denominators: the same weights.
-        In one pass over the step (step_masks None) every weight is 1.
+        Without step_masks these rows are the whole step (every weight is 1).
     """
     usual = ~expert_mask
-    step_usual = step_expert = ()  # (sequences, tokens) of the whole step, per kind of row
-    if step_masks is not None:
-        step_mask, step_is_expert = step_masks
-        step_usual = (int((~step_is_expert).sum()), common.token_count(step_mask[~step_is_expert]))
-        step_expert = (int(step_is_expert.sum()), common.token_count(step_mask[step_is_expert]))
+    step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
+    step_usual = (int((~step_is_expert).sum()), common.token_count(step_mask[~step_is_expert]))  # (sequences, tokens)
+    step_expert = (int(step_is_expert.sum()), common.token_count(step_mask[step_is_expert]))
     grpo_term = sft_term = logprobs.new_zeros(())
     if usual.any():
         ref = ref_logprobs[usual] if ref_logprobs is not None else None
@@ -438,9 +436,8 @@ def main(cfg: Config):
         # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
         # losses are normalised by the whole step's counts, so the gradients add up to the step's.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        zeros = lambda: torch.zeros(completion_ids.shape, device=device)  # noqa: E731  [B*G, T]
-        ref_logprobs = zeros() if cfg.beta > 0 else None
-        old_logprobs = zeros() if cfg.num_iterations > 1 else None
+        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G, T]
+        old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
         with torch.no_grad():
             for rows in micro_batches:
                 if cfg.beta > 0:
@@ -454,14 +451,14 @@ def main(cfg: Config):
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            logprobs, loss = zeros(), 0.0  # [B*G, T] (detached, for logging), the step's loss
+            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the step's loss
             for rows in micro_batches:
                 t2 = time.perf_counter()
-                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
                 old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
                 micro_loss = mix_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
                                       completion_mask[rows], expert_mask[rows], cfg.mu, cfg.epsilon, cfg.beta, cfg.loss_type,
-                                      (completion_mask, expert_mask) if len(micro_batches) > 1 else None)
+                                      (completion_mask, expert_mask))
                 t3 = time.perf_counter()
                 micro_loss.backward()  # gradients add up over the micro-batches
                 logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()

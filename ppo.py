@@ -401,7 +401,7 @@ def main(cfg: Config):
                 actor_optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)
                 # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
-                step_tokens = common.token_count(mask[idx]) if cfg.gradient_accumulation_steps > 1 else None
+                step_tokens = common.token_count(mask[idx])
                 logprobs, entropy, values = (torch.zeros(len(idx), T, device=device) for _ in range(3))  # [b, T], detached
                 actor_loss = critic_loss = 0.0
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
