@@ -103,7 +103,7 @@ def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, 
     With gradient accumulation, num_pairs is the whole step's pair count: each micro-batch's loss
     is then its share of the step's mean, and the shares add up to the step's loss."""
     losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [B]
-    return losses.mean() if num_pairs is None else losses.sum() / num_pairs
+    return losses.sum() / (len(losses) if num_pairs is None else num_pairs)
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
