@@ -21,6 +21,10 @@ import sys
 import textwrap
 import types
 
+try:
+    import fcntl  # the output folder's lock (not on Windows, where runs go unlocked)
+except ImportError:
+    fcntl = None
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -268,7 +272,8 @@ def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> t
     return transformers.LlamaForCausalLM(config)
 
 
-def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False, trust_remote_code: bool = False):
+def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False, trust_remote_code: bool = False,
+               reward_model: bool = False):
     """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence.
     Weights are read from safetensors only (no pickle), and a model's own Python code runs only
     with trust_remote_code (--trust_remote_code).
@@ -276,6 +281,8 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     scalar_head=True loads the transformer with a linear N -> 1 head instead of the LM head
     (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
     SFT checkpoint the head starts random; from a reward-model checkpoint it is the trained one.
+    reward_model=True refuses a folder that holds a policy (its head would start random), and
+    a policy is never loaded from a reward model's folder.
 
     A .gguf file (llama.cpp's format) loads too: see load_gguf."""
     if name_or_path.endswith(".gguf") or os.path.isfile(name_or_path):
@@ -284,6 +291,12 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     is_adapter = os.path.isfile(os.path.join(name_or_path, "adapter_config.json"))  # a LoRA run's output
     if is_local and not (is_adapter or os.path.isfile(os.path.join(name_or_path, "config.json"))):
         fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
+    saved_head = _saved_head(name_or_path) if is_local else None
+    if reward_model and saved_head == "language model":
+        fail(f"{name_or_path} is a policy (it has a language-model head), not a reward model: "
+             "pass reward_model.py's output")
+    if not scalar_head and saved_head == "scalar":
+        fail(f"{name_or_path} is a reward model (a scalar head, no language-model head), not a policy")
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
     head = dict(num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code) if scalar_head else dict(
         use_safetensors=True, trust_remote_code=trust_remote_code)
@@ -302,7 +315,23 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
         fail(f"could not load a model from {name_or_path!r} ({_first_line(error)})")
     if tokenizer.pad_token is None:  # e.g. Llama tokenizers: pad with EOS, the mask tells them apart
         tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        fail(f"the tokenizer of {name_or_path} has no chat template, and every prompt is a chat: use a chat (instruct) "
+             "model, or add a chat_template to its tokenizer_config.json")
     return model, tokenizer
+
+
+def _saved_head(folder: str) -> str | None:
+    """'scalar' for a reward model's (or critic's) folder, 'language model' for a policy's, None if unknown."""
+    for name, key in (("adapter_config.json", "task_type"), ("config.json", "architectures")):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                value = str(json.load(f).get(key))
+        except (OSError, ValueError, AttributeError):
+            continue
+        return "scalar" if ("SEQ_CLS" in value or "SequenceClassification" in value) else (
+            "language model" if ("CAUSAL_LM" in value or "CausalLM" in value) else None)
+    return None
 
 
 def load_gguf(path: str, scalar_head: bool = False):
@@ -331,6 +360,8 @@ def load_gguf(path: str, scalar_head: bool = False):
         fail(f"transformers could not load {path} ({_first_line(error)})")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        fail(f"{path} stores no chat template, and every prompt is a chat: use a chat (instruct) model")
     model.config.pad_token_id = tokenizer.pad_token_id  # a scalar head's forward finds each row's last token with it
     model.name_or_path = model.config.name_or_path = path  # peft writes this into adapter_config.json as the base
     return model, tokenizer
@@ -396,19 +427,28 @@ SETTING_RULES = {  # field: (is the value usable?, what it must be); a script ch
     "logging_steps": (lambda v: v >= 1, "at least 1"),
     "save_steps": (lambda v: v >= 1, "at least 1"),
     "warmup_steps": (lambda v: v >= 0, "0 or more"),
+    "weight_decay": (lambda v: v >= 0, "0 or more"),
+    "max_grad_norm": (lambda v: v > 0, "positive (the gradient's norm is clipped to it)"),
+    "num_eval_examples": (lambda v: v >= 0, "0 or more (0: every held-out example)"),
+    "lora_alpha": (lambda v: v > 0, "positive"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2^32)"),
+    "policy_prompts": (lambda v: v >= 0, "0 or more"),
+    "samples_per_prompt": (lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one"),
+    "max_length": (lambda v: v >= 2, "at least 2 tokens"),
+    "clip_score": (lambda v: v > 0, "positive"),
 }
 
 
 def check_settings(cfg):
     """One clear sentence for the first setting that cannot work (before anything is loaded or written)."""
     for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name} must be a finite number, not {value}")
         if field.name in SETTING_RULES:
             usable, must_be = SETTING_RULES[field.name]
             if not usable(getattr(cfg, field.name)):
                 fail(f"--{field.name} must be {must_be}, not {getattr(cfg, field.name)}")
-    if getattr(cfg, "resume", False) and not any(
-            os.path.isfile(os.path.join(cfg.output_dir, name, "state.pt")) for name in ("checkpoint", "checkpoint.old")):
-        fail(f"--resume: no checkpoint in {cfg.output_dir} (one is written every --save_steps steps)")
 
 
 def check_fits_context(model, num_tokens: int, what: str):
@@ -420,31 +460,69 @@ def check_fits_context(model, num_tokens: int, what: str):
              "shorten the prompts or --max_completion_length")
 
 
+def check_system_prompt(model, tokenizer, system_prompt: str):
+    """Refuse a --system_prompt that alone fills the model's context, before thousands of prompts
+    are made with it (a 100k-character one would exhaust memory before any other check speaks)."""
+    if system_prompt:
+        tokens = len(tokenizer(make_prompt(tokenizer, "", system_prompt), add_special_tokens=False)["input_ids"])
+        check_fits_context(model, tokens + 1, "--system_prompt")
+
+
 def longest_prompt(tokenizer, questions, system_prompt: str) -> int:
     """Tokens in the longest chat prompt made from `questions`."""
     prompts = [make_prompt(tokenizer, q, system_prompt) for q in questions]
     return max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
 
 
-def check_finite(step: int, **values):
+def check_finite(step: int, run_dir: str, **values):
     """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
-    applied: the last checkpoint written stays the last good one. Pass the gradient norm first:
-    under torchrun it is the same on every process, so all of them stop at the same line."""
+    applied. A checkpoint counts as good only once the weights it holds gave finite values: the
+    one written after the previous step is promoted here when they are finite, and dropped when
+    they are not, so --resume never restarts from weights that already diverged. Pass the
+    gradient norm first: under torchrun it is the same on every process, so all stop together."""
     for name, value in values.items():
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
         if not math.isfinite(value):
+            if is_main_process():
+                shutil.rmtree(os.path.join(run_dir, "checkpoint.new"), ignore_errors=True)
+            kept = newest_checkpoint(run_dir)
             fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update "
-                 "(the last checkpoint is kept). A lower --learning_rate usually helps")
+                 + (f"({kept} holds the last weights that gave finite values). " if kept else "")
+                 + "A lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
+    if is_main_process():
+        _promote_checkpoint(run_dir)
 
 
-def save_training_state(output_dir: str, step: int, results: dict, models, optimizers, schedulers, rng):
-    """A resumable checkpoint in <output_dir>/checkpoint/: the weights, optimizer and scheduler
-    states, every random generator (of every process) and the step, so that --resume continues
-    exactly where the run was, bit for bit on the same machine.
+def newest_checkpoint(run_dir: str) -> str | None:
+    """The newest whole checkpoint folder of a run: checkpoint.new (written, not yet promoted),
+    checkpoint, or checkpoint.old (a kill fell between the two renames of a promotion)."""
+    for name in ("checkpoint.new", "checkpoint", "checkpoint.old"):
+        if os.path.isfile(os.path.join(run_dir, name, "state.pt")):
+            return os.path.join(run_dir, name)
+    return None
 
-    Written atomically: into checkpoint.tmp, then swapped in by two renames. A kill at any moment
-    leaves a whole checkpoint: the new one, or the previous one (as checkpoint, or, if the kill
-    fell between the renames, as checkpoint.old, which load_training_state also reads)."""
+
+def _promote_checkpoint(run_dir: str):
+    """checkpoint.new -> checkpoint, by two renames (the previous one waits as checkpoint.old)."""
+    new, final, old = (os.path.join(run_dir, name) for name in ("checkpoint.new", "checkpoint", "checkpoint.old"))
+    if not os.path.isdir(new):
+        return
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_training_state(run_dir: str, cfg, step: int, results: dict, models, optimizers, schedulers, rng):
+    """A resumable checkpoint: the weights, optimizer and scheduler states, every random generator
+    (of every process), the step, the metrics logged so far and run.json (script, model,
+    settings), so that --resume continues exactly where the run was, bit for bit on the same
+    machine, and knows whose run it continues.
+
+    Written whole into checkpoint.tmp, then renamed to checkpoint.new; check_finite promotes it
+    to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
+    checkpoint (newest_checkpoint finds it)."""
     generators = {"python": random.getstate(), "numpy": [np.random.get_state()[1].tolist(), *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "data": rng.getstate()}
     if dist.is_initialized():  # every process draws its own samples: keep each one's generators
@@ -454,30 +532,34 @@ def save_training_state(output_dir: str, step: int, results: dict, models, optim
         all_generators = [generators]
     if not is_main_process():
         return
-    state = {"step": step, "results": results, "generators": all_generators,
+    _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = f.readlines()
+    state = {"step": step, "results": results, "generators": all_generators, "metrics": metrics,
              "models": [m.state_dict() for m in models], "optimizers": [o.state_dict() for o in optimizers],
              "schedulers": [s.state_dict() for s in schedulers]}
-    final, tmp, old = (os.path.join(output_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    tmp = os.path.join(run_dir, "checkpoint.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    torch.save(state, os.path.join(tmp, "state.pt"))
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(final):
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        write_json(os.path.join(tmp, RUN_FILE), run_record(cfg))
+    except OSError as error:  # e.g. a full disk: the checkpoints before this one stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"could not write a checkpoint to {tmp} ({error.strerror or error})")
+    os.rename(tmp, os.path.join(run_dir, "checkpoint.new"))
 
 
-def load_training_state(output_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
-    """Restore what save_training_state wrote (weights_only: tensors and plain values, no pickled
-    code) and keep the metrics.jsonl rows up to its step. Returns (step, results)."""
-    for name in ("checkpoint", "checkpoint.old"):  # .old: a kill fell between the two renames of a save
-        path = os.path.join(output_dir, name, "state.pt")
-        if os.path.isfile(path):
-            break
-    else:
-        fail(f"--resume: no checkpoint in {output_dir} (one is written every --save_steps steps)")
-    state = torch.load(path, weights_only=True, map_location="cpu")
+def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
+    """Restore the newest checkpoint (weights_only: tensors and plain values, no pickled code),
+    and metrics.jsonl as it was at its step (a missing or torn metrics file does not matter).
+    prepare_output_dir has checked that it is this script's and model's. Returns (step, results)."""
+    path = newest_checkpoint(run_dir)
+    try:
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=True, map_location="cpu")
+    except Exception as error:
+        fail(f"{path}/state.pt cannot be read ({_first_line(error)}): it was damaged after it was written; "
+             "start a new run (--overwrite_output_dir true)")
     for model, saved in zip(models, state["models"]):
         model.load_state_dict(saved)
     for optimizer, saved in zip(optimizers, state["optimizers"]):
@@ -491,11 +573,9 @@ def load_training_state(output_dir: str, models, optimizers, schedulers, rng) ->
     if generators["cuda"]:
         torch.cuda.set_rng_state_all(generators["cuda"])
     rng.setstate(generators["data"])
-    if is_main_process():  # the metrics logged after the checkpoint will be logged again
-        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= state["step"]]
-        with open(os.path.join(output_dir, "metrics.jsonl"), "w") as f:
-            f.writelines(kept)
+    if is_main_process():  # the metrics as they were at the checkpoint: what was logged after it is logged again
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(state["metrics"])
     log(f"resumed from {path} at step {state['step']}")
     return state["step"], state["results"]
 
@@ -513,8 +593,13 @@ def add_lora(model, cfg, scalar_head: bool = False):
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora_target_modules
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    missing = [t for t in targets.split(",") if t.strip() not in linear] if targets != "all-linear" else []
+    if missing:  # peft says nothing when one name of a list matches nothing
+        fail(f"--lora_target_modules: the model has no linear layer named {missing[0]!r} "
+             f"(it has {', '.join(sorted(linear))})")
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=targets if targets == "all-linear" else targets.split(","),
+                        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
                         task_type="SEQ_CLS" if scalar_head else "CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -586,7 +671,8 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
 # ---------------------------------------------------------------------------------------------
 def load_split(dataset: str, split: str, columns=("question", "answer"), config_name: str = "main"):
     """One split as a datasets.Dataset: `<dataset>/<split>.jsonl` if `dataset` is a local folder,
-    else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test')."""
+    else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test'). Every row
+    is checked for the columns asked for (check_rows)."""
     if dataset.startswith(("/", ".", "~")) and not os.path.isdir(dataset):  # a path, not a hub id
         fail(f"no dataset folder {dataset} (a folder of train.jsonl / test.jsonl, or a hub dataset id)")
     if os.path.isdir(dataset):
@@ -597,43 +683,108 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
     try:
         data = datasets.load_dataset(dataset, config_name, split=split)
     except Exception as error:
-        fail(f"could not load dataset {dataset!r} split {split!r} ({str(error).splitlines()[0]})")
-    return _check_rows(data, dataset, columns)
+        fail(f"could not load dataset {dataset!r} split {split!r} ({_first_line(error)})")
+    rows = check_rows(data.to_list(), f"{dataset} {split}", columns, [f"row {i}" for i in range(1, len(data) + 1)])
+    return data if len(rows) == len(data) else datasets.Dataset.from_list(rows)
 
 
 def load_jsonl(path: str, columns=()):
-    """A local .jsonl file (one JSON object per line) as a datasets.Dataset. A missing or empty
-    file, a line that is not a JSON object, or a missing column is one clear sentence."""
+    """A local .jsonl file (one JSON object per line, UTF-8) as a datasets.Dataset, its rows
+    checked (check_rows). A missing or empty file, a line that is not UTF-8 or not a JSON object
+    is one sentence naming the file and the line."""
     if not os.path.isfile(path):
         fail(f"no data file {path}")
-    try:
-        data = datasets.load_dataset("json", data_files=path, split="train")
-    except Exception:  # the json reader's own error does not say where: find the line
-        _fail_on_bad_jsonl_line(path)
-    return _check_rows(data, path, columns)
-
-
-def _check_rows(data, path: str, columns):
-    if len(data) == 0:
-        fail(f"{path} is empty")
-    for column in columns:
-        if column not in data.column_names:
-            fail(f"{path} has no column {column!r} (it has {', '.join(data.column_names)})")
-    return data
-
-
-def _fail_on_bad_jsonl_line(path: str):
-    with open(path) as f:
-        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
-    if not lines:
-        fail(f"{path} is empty")
-    for number, line in lines:
-        try:
-            if not isinstance(json.loads(line), dict):
+    rows = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                fail(f"{path} line {number} is not UTF-8 text: save the file as UTF-8")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                fail(f"{path} line {number} is not valid JSON")
+            if not isinstance(row, dict):
                 fail(f"{path} line {number} is not a JSON object")
-        except json.JSONDecodeError:
-            fail(f"{path} line {number} is not valid JSON")
-    fail(f"{path} could not be read as JSON lines")
+            rows.append((number, row))
+    if not rows:
+        fail(f"{path} is empty")
+    labels = [f"line {number}" for number, _ in rows]
+    rows = check_rows([row for _, row in rows], path, columns, labels)
+    labels = labels if len(labels) == len(rows) else [f"row {i}" for i in range(1, len(rows) + 1)]  # rows were skipped
+    names = list(dict.fromkeys(key for row in rows for key in row))  # every column, in order of appearance
+    for name in names:  # a table needs one type per column: name the first line that breaks it
+        kinds = [(label, type(row[name]).__name__) for label, row in zip(labels, rows) if row.get(name) is not None]
+        other = next(((label, kind) for label, kind in kinds if kind != kinds[0][1]), None)
+        if other:
+            fail(f"{path} {other[0]}: {name!r} is {other[1]}, where {kinds[0][0]} has {kinds[0][1]}: "
+                 "give each column one type")
+    return datasets.Dataset.from_dict({name: [row.get(name) for row in rows] for name in names})
+
+
+# Data checks: a row is usable when each column the script needs passes its check (None = usable).
+def _text_problem(value) -> str | None:
+    if value is None:
+        return "is missing"
+    if not isinstance(value, str):
+        return f"is {type(value).__name__}, not text"
+    return "is empty" if not value.strip() else None
+
+
+def _answer_problem(value) -> str | None:  # GSM8K: the reasoning, then '#### <final answer>'
+    if _text_problem(value):
+        return _text_problem(value)
+    return None if "####" in value and value.rpartition("####")[2].strip() else "has no final answer after '####'"
+
+
+def _chat_problem(value) -> str | None:  # [{"role": ..., "content": ...}, ...], the last the assistant's answer
+    if not isinstance(value, list) or not value:
+        return "is not a list of messages"
+    for message in value:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            return "has a message whose role is not system, user or assistant"
+        if _text_problem(message.get("content")):
+            return f"has a message from the {message['role']} whose content {_text_problem(message.get('content'))}"
+    return None if value[-1]["role"] == "assistant" else "does not end with an assistant message (the expert's answer)"
+
+
+COLUMN_CHECKS = {"question": _text_problem, "prompt": _text_problem, "chosen": _text_problem,
+                 "rejected": _text_problem, "answer": _answer_problem, "messages": _chat_problem}
+MAX_BAD_SHARE = 0.01  # a file with more unusable rows than this is refused; fewer are skipped with a count
+
+
+def check_rows(rows: list[dict], name: str, columns, labels: list[str]) -> list[dict]:
+    """Refuse data a script cannot learn from: a missing column, or more than MAX_BAD_SHARE of the
+    rows with a column that is missing, not text, empty, or (answer) without a final answer, or
+    (messages) not a chat ending with the assistant's answer; or a preference pair whose chosen and
+    rejected are the same text. The sentence names the first bad row (labels: "line 7"). A smaller
+    share of bad rows is dropped, with a count in the log. Returns the usable rows."""
+    if not rows:
+        fail(f"{name} is empty")
+    present = set().union(*rows)
+    for column in columns:
+        if column not in present:
+            fail(f"{name} has no column {column!r} (it has {', '.join(dict.fromkeys(k for row in rows for k in row))})")
+    checks = [(column, COLUMN_CHECKS[column]) for column in columns if column in COLUMN_CHECKS]
+    bad = []  # (row index, what is wrong)
+    for index, row in enumerate(rows):
+        problem = next((f"{column!r} {check(row.get(column))}" for column, check in checks if check(row.get(column))), None)
+        if problem is None and "rejected" in columns and row.get("chosen") == row["rejected"]:
+            problem = "'chosen' and 'rejected' are the same text (the pair teaches nothing)"
+        if problem:
+            bad.append((index, problem))
+    if not bad:
+        return rows
+    index, problem = bad[0]
+    if len(bad) > MAX_BAD_SHARE * len(rows):
+        fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(rows)} rows are unusable, more than "
+             f"{MAX_BAD_SHARE:.0%}: fix the data")
+    log(f"{name}: skipped {len(bad)} of {len(rows)} unusable rows (the first, {labels[index]}: {problem})")
+    skipped = {index for index, _ in bad}
+    return [row for i, row in enumerate(rows) if i not in skipped]
 
 
 def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
@@ -662,9 +813,9 @@ def extract_answer(completion: str) -> str | None:
 
 def same_number(predicted: str | None, gold: str) -> bool:
     """Numeric equality, ignoring commas, '$' and a trailing '.' ('1,000' == '1000.0')."""
-    if predicted is None:
-        return False
     clean = lambda s: s.replace(",", "").replace("$", "").strip().rstrip(".")  # noqa: E731
+    if predicted is None or not clean(predicted) or not clean(gold):  # an empty answer is never right
+        return False
     try:
         return float(clean(predicted)) == float(clean(gold))
     except ValueError:
@@ -871,15 +1022,183 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
 
 
 # ---------------------------------------------------------------------------------------------
+# The output folder: one writer at a time, and a new run replaces an old one only when it is whole
+# ---------------------------------------------------------------------------------------------
+NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes
+RUN_FILE = "run.json"  # the script, model and settings of a run: in each checkpoint, and in the finished folder
+# A new run's weights never sit beside an old run's: these go when a run replaces another.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+                "merged", "critic", "checkpoint", "checkpoint.new", "checkpoint.old")
+# The settings --resume lets change: how a run is watched and saved, not what it trains.
+RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_steps",
+                     "num_eval_examples", "eval_samples_per_problem", "per_device_eval_batch_size", "eval_on_start",
+                     "gradient_checkpointing", "merge_lora", "trust_remote_code"}
+_locks = {}  # folder -> the open descriptor that holds its lock until this process ends
+
+
+def _rank0() -> bool:
+    """Rank 0, also before the process group exists (torchrun sets RANK for every process)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _lock(folder: str):
+    """One writer per output folder: an exclusive flock on the folder itself, which the system
+    releases when the process ends, however it ends (a kill included). Rank 0 only."""
+    key = os.path.realpath(folder)
+    if key in _locks or fcntl is None or not _rank0():  # held already (several runs in one Python process)
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        fail(f"another run is writing to {folder}: wait for it to finish, or choose another --output_dir")
+    _locks[key] = descriptor
+
+
+def run_record(cfg) -> dict:
+    """What a checkpoint must know of its run: the script, the model, the settings, the processes."""
+    model = cfg.model if not os.path.exists(cfg.model) else os.path.realpath(cfg.model)
+    return {"script": os.path.basename(inspect.getfile(type(cfg))), "model": model,
+            "processes": int(os.environ.get("WORLD_SIZE", "1")), "settings": dataclasses.asdict(cfg)}
+
+
+def prepare_output_dir(cfg, inputs: dict) -> str:
+    """Check --output_dir before anything is loaded or written, lock it, and return the folder the
+    run writes into: --output_dir itself for a new run into an empty folder and for --resume;
+    <output_dir>/.next_run for a run that replaces an old one (--overwrite_output_dir), so the old
+    one stays whole until the new one finishes and finish_output_dir moves it in.
+    `inputs` maps a flag to the path it reads (--model, --dataset, ...): none may be in the output."""
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--output_dir {out} is a file, not a folder")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output_dir {out} cannot be made: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output_dir {out} cannot be written ({existing} is not writable)")
+    for flag, path in inputs.items():
+        inside = os.path.realpath(path) + os.sep
+        if path and os.path.exists(path) and inside.startswith(os.path.realpath(out) + os.sep):
+            fail(f"--output_dir {out} holds {flag} {path}: write the run to another folder (an input is never overwritten)")
+    if cfg.resume and cfg.overwrite_output_dir:
+        fail("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one of them")
+    if not os.path.isdir(out):
+        return out
+    _lock(out)
+    next_run = os.path.join(out, NEXT_RUN)
+    if os.path.isfile(os.path.join(next_run, ".complete")) and _rank0():  # a kill fell inside the last move-in
+        _move_in(out)
+    if cfg.resume:
+        run_dir = next_run if os.path.isdir(next_run) else out
+        checkpoint = newest_checkpoint(run_dir)
+        if checkpoint is None and run_dir == next_run:
+            fail(f"the run started over {out} stopped before its first checkpoint: "
+                 "start it again with --overwrite_output_dir true")
+        if checkpoint is None:
+            fail(f"--resume: no checkpoint in {out} (one is written every --save_steps steps)")
+        _check_same_run(cfg, checkpoint)
+        return run_dir
+    held = sorted(name for name in os.listdir(out) if not name.startswith("."))
+    if held and not cfg.overwrite_output_dir:
+        fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+             "--resume true continues it, --overwrite_output_dir true replaces it when the new run finishes, "
+             "or choose another folder")
+    return next_run if held else out
+
+
+def _check_same_run(cfg, checkpoint: str):
+    """--resume continues the run it finds, as that run was set: another script's or model's
+    checkpoint, or a changed setting that shapes training, is refused; a changed setting of
+    RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step."""
+    try:
+        with open(os.path.join(checkpoint, RUN_FILE)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        fail(f"{checkpoint} has no readable {RUN_FILE}, so it cannot say whose run it is: start a new run")
+    now = run_record(cfg)
+    if saved["script"] != now["script"]:
+        fail(f"the checkpoint in {checkpoint} is {saved['script']}'s, not {now['script']}'s: "
+             f"resume it with {saved['script']}")
+    if saved["model"] != now["model"]:
+        fail(f"the checkpoint in {checkpoint} was trained from --model {saved['model']}, not {cfg.model}")
+    if saved["processes"] != now["processes"]:
+        fail(f"the checkpoint in {checkpoint} was written by {saved['processes']} processes, not {now['processes']}: "
+             "resume with the same number")
+    old, new = saved["settings"], now["settings"]
+    changed = [key for key in new if key != "model" and old.get(key) != new[key]]
+    batch = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    same_step_batch = math.prod(old.get(k, 1) for k in batch) == math.prod(new.get(k, 1) for k in batch)
+    refused = [k for k in changed if k not in RESUME_MAY_CHANGE and not (k in batch and same_step_batch)]
+    if refused:
+        changes = ", ".join(f"--{k} was {old.get(k)}, now {new[k]}" for k in refused)
+        fail(f"--resume continues the run as it was set, and {changes}: resume with the run's values, "
+             "or start a new run (--overwrite_output_dir true)")
+    for key in changed:
+        if _rank0():
+            tqdm.write(f"resume: --{key} {new[key]} (was {old.get(key)}) applies from here")
+
+
+def start_output_dir(run_dir: str):
+    """Create the folder this run writes into, lock it, and start an empty metrics.jsonl (rank 0).
+    A .next_run left by an earlier run that was stopped is cleared: this run replaces it too."""
+    if not is_main_process():
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    output_dir = os.path.dirname(run_dir) if os.path.basename(run_dir) == NEXT_RUN else run_dir
+    _lock(output_dir)
+    if run_dir != output_dir:
+        shutil.rmtree(run_dir)
+        os.makedirs(run_dir)
+    open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
+
+
+def finish_output_dir(run_dir: str, cfg):
+    """The end of a run: its last checkpoint counts as good, run.json lists what it wrote, and a
+    run that replaces an old one moves into --output_dir (rank 0)."""
+    if not is_main_process():
+        return
+    _promote_checkpoint(run_dir)
+    files = sorted(name for name in os.listdir(run_dir) if not name.startswith("."))
+    write_json(os.path.join(run_dir, RUN_FILE), {**run_record(cfg), "files": sorted({*files, RUN_FILE})})
+    if os.path.basename(run_dir) == NEXT_RUN:
+        write_json(os.path.join(run_dir, ".complete"), {"files": sorted({*files, RUN_FILE})})  # from here on, a kill is
+        _move_in(cfg.output_dir)  # finished by the next run into the folder (prepare_output_dir)
+    descriptor = _locks.pop(os.path.realpath(cfg.output_dir), None)
+    if descriptor is not None:
+        os.close(descriptor)
+
+
+def _move_in(output_dir: str):
+    """Replace the old run in output_dir by the finished one in .next_run. Repeatable: a kill in
+    the middle is completed by running it again. Only the old run's own files go (those its
+    run.json lists, and any weights), never other files of the folder."""
+    next_run = os.path.join(output_dir, NEXT_RUN)
+    with open(os.path.join(next_run, ".complete")) as f:
+        new = set(json.load(f)["files"])
+    if os.path.exists(os.path.join(next_run, RUN_FILE)):  # the old run's files are still there: they go first
+        try:
+            with open(os.path.join(output_dir, RUN_FILE)) as f:
+                old = set(json.load(f)["files"])
+        except (OSError, ValueError, KeyError):  # a folder of an older version, or of another program
+            old = set()
+        for name in sorted((old | set(WEIGHT_FILES)) - new):
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else (os.remove(path) if os.path.exists(path) else None)
+    for name in sorted(new - {RUN_FILE}) + [RUN_FILE]:  # run.json last: while it waits, the old run's files may remain
+        source, target = os.path.join(next_run, name), os.path.join(output_dir, name)
+        if os.path.exists(source):
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            os.replace(source, target)
+    shutil.rmtree(next_run)
+
+
+# ---------------------------------------------------------------------------------------------
 # Logging: metrics.jsonl (one JSON object per logged step), eval.json, a PNG of the curves
 # ---------------------------------------------------------------------------------------------
-def start_output_dir(output_dir: str):
-    """Create the output folder and start an empty metrics.jsonl (rank 0 only)."""
-    if is_main_process():
-        os.makedirs(output_dir, exist_ok=True)
-        open(os.path.join(output_dir, "metrics.jsonl"), "w").close()
-
-
 def log_metrics(output_dir: str, metrics: dict):
     """Append one JSON object to <output_dir>/metrics.jsonl (rank 0 only)."""
     if not is_main_process():
@@ -897,9 +1216,11 @@ def write_json(path: str, obj: dict):
 
 
 def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
-    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png."""
+    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png;
+    returns the file's name."""
+    name = title.lower().replace(" ", "_") + ".png"
     if not is_main_process():
-        return None
+        return name
     import matplotlib
 
     matplotlib.use("Agg")
@@ -920,7 +1241,6 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    path = os.path.join(output_dir, title.lower().replace(" ", "_") + ".png")
-    fig.savefig(path, dpi=110)
+    fig.savefig(os.path.join(output_dir, name), dpi=110)
     plt.close(fig)
-    return path
+    return name

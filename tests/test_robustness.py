@@ -1,5 +1,7 @@
-"""Bad input gets one sentence and touches nothing; NaN stops a run; a killed run resumes to the
-same result as an unbroken one; the same seed gives the same metrics."""
+"""Bad input gets one sentence and touches nothing; one run per folder, and a run that fails or is
+killed over an old run leaves it whole; NaN stops a run and the diverged checkpoint goes; a killed
+run resumes to the same result as an unbroken one; the same seed gives the same metrics."""
+import dataclasses
 import json
 import os
 import shutil
@@ -36,23 +38,59 @@ def data_folder(tmp_path, train_text, name="data"):
 ROW = json.dumps({"question": "What is 1 + 1?", "answer": "1+1=2\n#### 2"}) + "\n"
 PAIR = json.dumps({"prompt": "What is 1 + 1?", "chosen": "<answer>2</answer>", "rejected": "<answer>3</answer>"}) + "\n"
 LONG = json.dumps({"question": "What is " + "1 + " * 400 + "1?", "answer": "#### 401"}) + "\n"
+GSM8K = ["sft.py", "grpo.py", "mix.py", "ppo.py"]  # the scripts that read GSM8K's question / answer rows
+SFT_RUN = ["--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300", "--num_eval_examples", "64"]  # conftest's
 
-# (scripts, arguments, the sentence's telling part). {tmp} is a fresh folder, {sft} a trained SFT checkpoint,
-# {not_a_model} a folder with a broken config.json; data folders are made by `bad_data` below.
+
+def gsm8k_rows(bad: dict, good: int = 20) -> str:
+    """`good` usable rows and one row with `bad` in it: 1 in 21 is more than the 1% a file may lose."""
+    return ROW * good + json.dumps({"question": "What is 2 + 2?", "answer": "2+2=4\n#### 4", **bad}) + "\n"
+
+
+def chat(*messages) -> str:
+    return json.dumps({"messages": list(messages)}) + "\n"
+
+
+USER, ASSISTANT = {"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "<answer>2</answer>"}
+
+# (scripts, arguments, the sentence's telling part). {out} is the output folder, which holds an earlier
+# run; {sft} a trained SFT checkpoint; the other {names} are folders and files made by `bad_data` below.
+# Unless a case sets --resume or --overwrite_output_dir itself, it runs with --overwrite_output_dir true,
+# so that the check under test, not the refusal of a folder that holds a run, is what speaks.
 CASES = [
+    # models and data files
     (ALL, ["--model", "/nonexistent/model"], "no model found at /nonexistent/model"),
     (ALL, ["--model", "{not_a_model}"], "could not load a model from"),
     (ALL, ["--dataset", "/nonexistent/data"], "no dataset folder /nonexistent/data"),
     (ALL, ["--dataset", "{no_train}"], "has no train.jsonl"),
     (ALL, ["--dataset", "{empty}"], "train.jsonl is empty"),
     (ALL, ["--dataset", "{malformed}"], "train.jsonl line 2 is not valid JSON"),
-    (["sft.py", "grpo.py", "mix.py", "ppo.py"], ["--dataset", "{no_answer}"], "has no column 'answer'"),
+    (ALL, ["--dataset", "{latin1}"], "train.jsonl line 21 is not UTF-8 text"),
+    (ALL, ["--dataset", "{array_line}"], "train.jsonl line 21 is not a JSON object"),
+    (GSM8K, ["--dataset", "{no_answer}"], "has no column 'answer'"),
+    (GSM8K, ["--dataset", "{no_hashes}"], "train.jsonl line 21: 'answer' has no final answer after '####'"),
+    (GSM8K, ["--dataset", "{bare_hashes}"], "train.jsonl line 21: 'answer' has no final answer after '####'"),
+    (GSM8K, ["--dataset", "{empty_question}"], "train.jsonl line 21: 'question' is empty"),
+    (GSM8K, ["--dataset", "{number_question}"], "train.jsonl line 21: 'question' is int"),
+    (GSM8K, ["--dataset", "{missing_question}"], "train.jsonl line 21: 'question' is missing"),
+    (GSM8K, ["--dataset", "{all_empty}"], "21 of 21 rows are unusable"),
+    (GSM8K, ["--dataset", "{mixed_column}"], "train.jsonl line 22: 'source' is list, where line 21 has str"),
     (["reward_model.py"], ["--dataset", "{no_rejected}"], "has no column 'rejected'"),
-    (["mix.py"], ["--expert_dataset", "{expert_no_assistant}"], "line 1 does not end with an assistant message"),
+    (["reward_model.py"], ["--dataset", "{same_pair}"], "line 1: 'chosen' and 'rejected' are the same text"),
+    (["reward_model.py"], ["--dataset", "{empty_chosen}"], "line 1: 'chosen' is empty"),
+    (["mix.py"], ["--expert_dataset", "{expert_no_assistant}"], "line 1: 'messages' does not end with an assistant message"),
     (["mix.py"], ["--expert_dataset", "/nonexistent/expert.jsonl"], "no data file /nonexistent/expert.jsonl"),
     (["mix.py"], ["--expert_dataset", "{expert_empty}"], "expert_empty.jsonl is empty"),
     (["mix.py"], ["--expert_dataset", "{expert_malformed}"], "expert_malformed.jsonl line 2 is not valid JSON"),
     (["mix.py"], ["--expert_dataset", "{expert_no_messages}"], "has no column 'messages'"),
+    (["mix.py"], ["--expert_dataset", "{expert_no_content}"], "'messages' has a message from the assistant whose content is missing"),
+    (["mix.py"], ["--expert_dataset", "{expert_empty_answer}"], "'messages' has a message from the assistant whose content is empty"),
+    (["mix.py"], ["--expert_dataset", "{expert_bad_role}"], "'messages' has a message whose role is not system, user or assistant"),
+    (["mix.py"], ["--expert_dataset", "{expert_not_a_list}"], "'messages' is not a list of messages"),
+    (["ppo.py"], ["--reward_model", "{sft}"], "is a policy (it has a language-model head), not a reward model"),
+    (["grpo.py", "mix.py", "ppo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
+    (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
+    # settings
     (["grpo.py", "mix.py"], ["--loss_type", "mean"], "--loss_type must be 'grpo' or 'dapo'"),
     (["grpo.py", "mix.py"], ["--num_generations", "1"], "--num_generations must be at least 2"),
     (["grpo.py"], ["--per_device_train_batch_size", "12"], "must be a multiple of --num_generations"),
@@ -60,59 +98,136 @@ CASES = [
     (["ppo.py"], ["--num_mini_batches", "3"], "must be a multiple of --num_mini_batches"),
     (ALL, ["--lora_r", "0"], "--lora_r must be a positive rank"),
     (ALL, ["--lora_r", "-4"], "--lora_r must be a positive rank"),
+    (ALL, ["--lora_r", "4", "--lora_target_modules", "q_proj,q_prj"], "the model has no linear layer named 'q_prj'"),
+    (ALL, ["--lora_r", "4", "--lora_alpha", "0"], "--lora_alpha must be positive"),
     (["grpo.py", "mix.py"], ["--epsilon", "0"], "--epsilon must be positive"),
     (["ppo.py"], ["--cliprange", "-0.2"], "--cliprange must be positive"),
+    (["ppo.py"], ["--clip_score", "0"], "--clip_score must be positive"),
     (["mix.py"], ["--mu", "1.5"], "--mu must be in [0, 1]"),
     (["mix.py"], ["--expert_data_ratio", "-0.1"], "--expert_data_ratio must be in [0, 1]"),
     (ALL, ["--max_completion_length", "0"], "--max_completion_length must be at least 1 token"),
     (ALL, ["--learning_rate", "0"], "--learning_rate must be positive"),
+    (ALL, ["--learning_rate", "nan"], "--learning_rate must be a finite number, not nan"),
+    (ALL, ["--max_grad_norm", "-1"], "--max_grad_norm must be positive"),
+    (ALL, ["--max_grad_norm", "inf"], "--max_grad_norm must be a finite number, not inf"),
+    (ALL, ["--num_eval_examples", "-1"], "--num_eval_examples must be 0 or more"),
+    (ALL, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
+    (["sft.py", "reward_model.py", "grpo.py", "mix.py"], ["--weight_decay", "-0.01"], "--weight_decay must be 0 or more"),
+    (["reward_model.py"], ["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
+    (["reward_model.py"], ["--max_length", "1"], "--max_length must be at least 2 tokens"),
     (RL, ["--dataset", "{long_prompt}", "--max_completion_length", "64"], "more than the model's context of 1024"),
+    (ALL, ["--system_prompt", "{huge}"], "--system_prompt needs"),
     (["ppo.py"], ["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
-    (ALL, ["--resume", "true"], "--resume: no checkpoint in"),
+    # the output folder and --resume
+    (ALL, ["--overwrite_output_dir", "false"], "already holds a run"),
+    (ALL, ["--model", "{out}"], "holds --model"),
+    (ALL, ["--dataset", "{out}"], "holds --dataset"),
+    (ALL, ["--output_dir", "{a_file}"], "is a file, not a folder"),
+    (ALL, ["--output_dir", "{a_file}/run"], "cannot be made"),
+    (ALL, ["--resume", "true", "--overwrite_output_dir", "true"], "pass one of them"),
+    (ALL, ["--resume", "true", "--output_dir", "{tmp}"], "--resume: no checkpoint in"),
+    (["reward_model.py", "ppo.py", "grpo.py", "mix.py"], ["--resume", "true"], "is sft.py's, not"),
+    (["sft.py"], ["--resume", "true"], "--resume continues the run as it was set, and --max_steps was 300, now 700"),
+    (["sft.py"], [*SFT_RUN, "--learning_rate", "1e-3", "--resume", "true"], "--learning_rate was 0.002, now 0.001"),
+    (["sft.py"], [*SFT_RUN, "--model", "{sft}", "--resume", "true"], "was trained from --model tiny"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true"], "checkpoint/state.pt cannot be read"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{no_run_json}"], "has no readable run.json"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{stopped_early}"], "stopped before its first checkpoint"),
 ]
 TABLE = [(script, args, message) for scripts, args, message in CASES for script in scripts]
 
 
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(path)
+
+
 @pytest.fixture(scope="module")
-def bad_data(tmp_path_factory):
+def bad_data(tmp_path_factory, sft_checkpoint):
     tmp = tmp_path_factory.mktemp("bad")
-    (tmp / "not_a_model").mkdir()
-    (tmp / "not_a_model" / "config.json").write_text("{not a config")
-    (tmp / "no_train").mkdir()
-    folders = {"not_a_model": str(tmp / "not_a_model"), "no_train": str(tmp / "no_train"),
-               "empty": data_folder(tmp, "", "empty"),
-               "malformed": data_folder(tmp, ROW + "{broken\n", "malformed"),
-               "no_answer": data_folder(tmp, json.dumps({"question": "q"}) + "\n", "no_answer"),
-               "no_rejected": data_folder(tmp, json.dumps({"prompt": "p", "chosen": "c"}) + "\n", "no_rejected"),
-               "long_prompt": data_folder(tmp, LONG * 200, "long_prompt")}
-    expert = tmp / "expert.jsonl"
-    expert.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    folders["expert_no_assistant"] = str(expert)
-    chat = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n"
-    for name, text in (("expert_empty", ""), ("expert_malformed", chat + "{broken\n"),
-                       ("expert_no_messages", json.dumps({"conversation": []}) + "\n")):
-        (tmp / f"{name}.jsonl").write_text(text)
-        folders[name] = str(tmp / f"{name}.jsonl")
+    folders = {"not_a_model": write(tmp / "not_a_model" / "config.json", "{not a config").removesuffix("/config.json"),
+               "no_train": str((tmp / "no_train").mkdir() or tmp / "no_train"),
+               "a_file": write(tmp / "a_file", "not a folder"), "huge": "x" * 100_000}
+    datasets = {"empty": "", "malformed": ROW + "{broken\n", "no_answer": json.dumps({"question": "q"}) + "\n",
+                "latin1": ROW.encode() * 20 + '{"question": "Combien font 2 + 2 ? Réponds.", "answer": "#### 4"}\n'.encode("latin-1"),
+                "array_line": ROW * 20 + "[1, 2]\n",
+                "no_hashes": gsm8k_rows({"answer": "2+2=4, so 4"}), "bare_hashes": gsm8k_rows({"answer": "2+2=4\n####"}),
+                "empty_question": gsm8k_rows({"question": " "}), "number_question": gsm8k_rows({"question": 5}),
+                "missing_question": ROW * 20 + json.dumps({"answer": "#### 4"}) + "\n",
+                "all_empty": json.dumps({"question": "", "answer": "#### 1"}) + "\n" * 1 + gsm8k_rows({"question": ""}, 0) * 20,
+                "mixed_column": ROW * 20 + gsm8k_rows({"source": "a"}, 0) + gsm8k_rows({"source": ["a", "list"]}, 0),
+                "no_rejected": json.dumps({"prompt": "p", "chosen": "c"}) + "\n",
+                "same_pair": json.dumps({"prompt": "p", "chosen": "<answer>2</answer>", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
+                "empty_chosen": json.dumps({"prompt": "p", "chosen": "", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
+                "long_prompt": LONG * 200}
+    for name, text in datasets.items():
+        folders[name] = str(tmp / name)
+        write(tmp / name / "train.jsonl", text)
+        write(tmp / name / "test.jsonl", text)
+    experts = {"expert_no_assistant": chat(USER), "expert_empty": "", "expert_malformed": chat(USER, ASSISTANT) + "{broken\n",
+               "expert_no_messages": json.dumps({"conversation": []}) + "\n",
+               "expert_no_content": chat(USER, {"role": "assistant"}),
+               "expert_empty_answer": chat(USER, {"role": "assistant", "content": ""}),
+               "expert_bad_role": chat({"role": "teacher", "content": "hi"}, ASSISTANT),
+               "expert_not_a_list": json.dumps({"messages": "What is 1 + 1? 2"}) + "\n"}
+    for name, text in experts.items():
+        folders[name] = write(tmp / f"{name}.jsonl", text)
+    folders["a_reward_model"] = write(tmp / "rm" / "config.json", json.dumps({"architectures": ["LlamaForSequenceClassification"]})
+                                      ).removesuffix("/config.json")
+    no_template = tmp / "no_chat_template"
+    shutil.copytree(sft_checkpoint, no_template, ignore=shutil.ignore_patterns("checkpoint*", "chat_template.jinja"))
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    folders["no_chat_template"] = str(no_template)
+    # an sft.py run's folder whose checkpoint has no run.json, and one whose replacing run stopped before a checkpoint
+    shutil.copytree(sft_checkpoint, tmp / "no_run_json", ignore=shutil.ignore_patterns("run.json", "state.pt", "*.safetensors"))
+    write(tmp / "no_run_json" / "checkpoint" / "state.pt", "a good state")
+    folders["no_run_json"] = str(tmp / "no_run_json")
+    shutil.copytree(sft_checkpoint, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
+    write(tmp / "stopped_early" / ".next_run" / "metrics.jsonl", '{"step": 1}\n')
+    folders["stopped_early"] = str(tmp / "stopped_early")
     return folders
 
 
-@pytest.mark.parametrize("script, args, message", TABLE, ids=[f"{s}:{' '.join(a)}" for s, a, _ in TABLE])
+def snapshot(path) -> dict:
+    """Every file and folder under path (hidden ones too), with the bytes of each file."""
+    if os.path.isfile(path):
+        return {"": open(path, "rb").read()}
+    return {os.path.relpath(os.path.join(root, name), path): (open(os.path.join(root, name), "rb").read() if name in files else None)
+            for root, folders, files in os.walk(path) for name in folders + files}
+
+
+@pytest.mark.parametrize("script, args, message", TABLE, ids=[f"{s}:{' '.join(a)[:60]}" for s, a, _ in TABLE])
 def test_bad_input_is_one_sentence_and_touches_no_output(sft_checkpoint, bad_data, tmp_path, script, args, message):
+    """Each bad input ends in one sentence (SystemExit("error: ..."): exit status 1, no traceback),
+    before anything is written: the output folder, which holds an earlier sft.py run (its run.json
+    real, its weights and training state stand-ins), is byte for byte what it was."""
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text("a good run's metrics\n")
-    (out / "model.safetensors").write_text("a good model")
-    args = [a.format(**bad_data) for a in args]
+    write(out / "metrics.jsonl", "a good run's metrics\n")
+    write(out / "model.safetensors", "a good model")
+    write(out / "checkpoint" / "state.pt", "a good state")
+    shutil.copy(os.path.join(sft_checkpoint, "checkpoint", "run.json"), out / "checkpoint" / "run.json")
+    (tmp_path / "tmp").mkdir()
+    names = {**bad_data, "out": str(out), "sft": sft_checkpoint, "tmp": str(tmp_path / "tmp")}
+    args = [a.format(**names) for a in args]
     defaults = ["--model", sft_checkpoint] if script != "sft.py" or "--lora_r" in args else []
     if script == "ppo.py" and "--reward_model" not in args:
         defaults += ["--reward_model", "rule"]
+    if "--resume" not in args and "--overwrite_output_dir" not in args:
+        defaults += ["--overwrite_output_dir", "true"]
+    if "--output_dir" not in args:
+        defaults += ["--output_dir", str(out)]
+    watched = args[args.index("--output_dir") + 1] if "--output_dir" in args else str(out)
+    watched = watched if os.path.exists(watched) else str(out)
+    before = snapshot(watched)
     module = SCRIPTS[script]
     with pytest.raises(SystemExit) as stop:
-        module.main(common.parse_config(module.Config, [*defaults, *args, "--output_dir", str(out)]))
+        module.main(common.parse_config(module.Config, [*defaults, *args]))
     text = str(stop.value.code)
     assert text.startswith("error: ") and message in text and "\n" not in text, text
-    assert sorted(os.listdir(out)) == ["metrics.jsonl", "model.safetensors"]
-    assert (out / "metrics.jsonl").read_text() == "a good run's metrics\n" and (out / "model.safetensors").read_text() == "a good model"
+    assert snapshot(watched) == before
 
 
 def test_bad_input_from_the_command_line_exits_1_without_traceback(tmp_path):
@@ -133,10 +248,100 @@ def test_nan_stops_at_the_step_and_keeps_the_last_good_checkpoint(sft_checkpoint
     out.mkdir()
     (out / "model.safetensors").write_text("the last good model")
     result = run("sft.py", "--model", str(broken), "--output_dir", str(out), "--max_steps", "5", "--eval_steps", "100",
-                 check=False)
+                 "--overwrite_output_dir", "true", check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "error: step 1: the grad norm is nan; stopped before applying this update" in result.stderr
     assert (out / "model.safetensors").read_text() == "the last good model"
+
+
+def test_a_checkpoint_whose_weights_diverge_is_not_kept(tmp_path):
+    """With --save_steps 1 and a learning rate that explodes the model, the checkpoint written
+    after the last finite step holds weights that give NaN: it is dropped, and the one kept is the
+    last whose weights gave a finite loss and gradient."""
+    out = str(tmp_path / "out")
+    result = run("sft.py", "--learning_rate", "10", "--warmup_steps", "0", "--save_steps", "1", "--max_steps", "20",
+                 "--per_device_train_batch_size", "8", "--logging_steps", "1", "--output_dir", out, check=False)
+    stopped = int(result.stderr.split("error: step ")[1].split(":")[0])  # the step whose values were not finite
+    assert result.returncode == 1 and stopped >= 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"], os.listdir(out)
+    state = torch.load(os.path.join(out, "checkpoint", "state.pt"), weights_only=True)
+    assert state["step"] == stopped - 2  # its weights gave step stopped-1 finite values; stopped-1's gave NaN
+    assert f"{out}/checkpoint holds the last weights that gave finite values" in result.stderr
+
+
+def test_check_finite_promotes_a_checkpoint_only_after_finite_values(tmp_path):
+    for name, step in (("checkpoint", 4), ("checkpoint.new", 6)):
+        write(tmp_path / name / "state.pt", f"step {step}")
+    with pytest.raises(SystemExit, match="step 7: the loss is inf"):
+        common.check_finite(7, str(tmp_path), grad_norm=1.0, loss=float("inf"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"] and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 4"
+    write(tmp_path / "checkpoint.new" / "state.pt", "step 8")
+    common.check_finite(9, str(tmp_path), grad_norm=1.0, loss=0.5)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint"] and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 8"
+
+
+def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
+    """A missing or torn metrics.jsonl does not make a good checkpoint unusable: the checkpoint
+    holds the metrics logged up to its step, and --resume writes them back."""
+    args = ["--max_steps", "8", "--save_steps", "3", "--per_device_train_batch_size", "8", "--logging_steps", "1",
+            "--eval_steps", "100", "--num_eval_examples", "8"]
+    whole = str(tmp_path / "whole")
+    run_main("sft.py", *args, "--output_dir", whole)
+    for damage in ("torn", "missing"):
+        broken = str(tmp_path / damage)
+        metrics = os.path.join(broken, "metrics.jsonl")
+        _signal_when(_start("sft.py", [*args, "--output_dir", broken]), lambda: _lines(metrics) >= 5)
+        os.remove(metrics)
+        if damage == "torn":
+            with open(metrics, "w") as f:
+                f.write('{"step": 1, "loss": 5.6}\n{"step": 2, "lo')  # cut in the middle of a line
+        result = run_main("sft.py", *args, "--output_dir", broken, "--resume", "true")
+        assert "resumed from" in result.stdout
+        _assert_same_run(whole, broken)
+
+
+def test_every_numeric_setting_has_a_range():
+    """Every int or float setting of every script is checked (finite, and in its range)."""
+    for name, module in SCRIPTS.items():
+        for field in dataclasses.fields(module.Config):
+            if field.type in (int, float, int | None, float | None):
+                assert field.name in common.SETTING_RULES, f"{name} --{field.name} has no range check"
+
+
+def test_one_writer_per_folder(tmp_path):
+    """A second run into a folder that a running run writes to stops with one sentence."""
+    out = str(tmp_path / "out")
+    first = _start("sft.py", ["--max_steps", "2000", "--output_dir", out])
+    try:
+        deadline = time.time() + 120
+        while not os.path.isfile(os.path.join(out, "metrics.jsonl")):
+            assert first.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        for flags in (["--overwrite_output_dir", "true"], ["--resume", "true"]):
+            second = run("sft.py", "--max_steps", "2000", "--output_dir", out, *flags, check=False)
+            assert second.returncode == 1, second.stderr[-2000:]
+            assert second.stderr.strip().splitlines()[-1] == (
+                f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir")
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_full_model_replaces_an_older_lora_adapter(sft_checkpoint, tmp_path):
+    """A LoRA run's folder holds adapter files; a full run written over it must not leave them
+    there (load_model would merge the old adapter instead of reading the new weights)."""
+    out = str(tmp_path / "out")
+    short = ["--model", sft_checkpoint, "--max_steps", "2", "--eval_steps", "100", "--num_eval_examples", "8",
+             "--per_device_train_batch_size", "8"]
+    run_main("sft.py", *short, "--lora_r", "4", "--output_dir", out)
+    assert os.path.isfile(os.path.join(out, "adapter_config.json"))
+    run_main("sft.py", *short, "--learning_rate", "1e-3", "--output_dir", out, "--overwrite_output_dir", "true")
+    assert not any(name.startswith("adapter") for name in os.listdir(out)), os.listdir(out)
+    with open(os.path.join(out, "run.json")) as f:
+        assert json.load(f)["settings"]["lora_r"] is None
+    loaded = common.load_model(out)[0]
+    saved = load_file(os.path.join(out, "model.safetensors"))
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
 
 
 def _scalars(output_dir):
@@ -150,18 +355,19 @@ def _assert_same_run(a, b):
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
-def _start(script, args):
-    return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _kill_when(process, condition, timeout=300):
+def _signal_when(process, condition, sig=signal.SIGKILL, timeout=300):
+    """Send `sig` to the process as soon as `condition()` holds (it must not finish first)."""
     deadline = time.time() + timeout
     while not condition():
         assert process.poll() is None, f"finished before the kill point:\n{process.stderr.read()[-2000:]}"
         assert time.time() < deadline
         time.sleep(0.0005)
-    process.send_signal(signal.SIGKILL)
+    process.send_signal(sig)
     process.wait()
+
+
+def _start(script, args):
+    return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def _lines(path):
@@ -190,9 +396,9 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
 
     metrics = os.path.join(broken, "metrics.jsonl")
     # 1. killed between two checkpoints: the 5th metrics line is past the first checkpoint
-    _kill_when(_start(script, [*args, "--output_dir", broken]), lambda: _lines(metrics) >= 5)
+    _signal_when(_start(script, [*args, "--output_dir", broken]), lambda: _lines(metrics) >= 5)
     # 2. resumed, then killed while it writes its next checkpoint
-    _kill_when(_start(script, [*args, "--output_dir", broken, "--resume", "true"]),
+    _signal_when(_start(script, [*args, "--output_dir", broken, "--resume", "true"]),
                lambda: os.path.isdir(os.path.join(broken, "checkpoint.tmp")))
     # 3. the same crash as between the two renames of a save: only checkpoint.old and a torn .tmp
     if os.path.isdir(os.path.join(broken, "checkpoint")):
@@ -204,3 +410,89 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
     result = run_main(script, *args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
     _assert_same_run(first, broken)
+
+
+# --- a new run over an old run's folder: killed at any point --------------------------------------
+OLD_RUN = ["--max_steps", "6", "--save_steps", "3", "--per_device_train_batch_size", "8", "--eval_steps", "6",
+           "--num_eval_examples", "8", "--logging_steps", "1"]
+NEW_RUN = [*OLD_RUN[:-4], "--num_eval_examples", "8", "--logging_steps", "1", "--max_steps", "10", "--save_steps", "2",
+           "--learning_rate", "1e-3"]
+
+
+def _visible(folder):
+    """The folder as a user sees it: every file and its bytes, hidden entries (.next_run) aside."""
+    return {path: data for path, data in snapshot(folder).items() if not path.startswith(".")}
+
+
+def _check_old_whole_or_new_resumable(folder, old, unbroken_new):
+    """The invariant after a kill: the old run is whole (and --resume either continues the new run
+    from its own checkpoint or says it has none), or the new run is resumable; either way a
+    --resume ends exactly as the unbroken new run, or refuses in one sentence and changes nothing."""
+    next_run_checkpoint = common.newest_checkpoint(os.path.join(folder, common.NEXT_RUN))
+    if _visible(folder) != old:  # not the old run: then the new run must have moved in with its checkpoint
+        assert common.newest_checkpoint(folder) or os.path.isfile(os.path.join(folder, common.NEXT_RUN, ".complete"))
+    if _visible(folder) == old and next_run_checkpoint is None:  # --resume finds the old run's checkpoint, or none
+        result = run("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true", check=False)
+        refusal = ("stopped before its first checkpoint" if os.path.isdir(os.path.join(folder, common.NEXT_RUN))
+                   else "--resume continues the run as it was set, and --max_steps was 6, now 10")
+        assert result.returncode == 1 and refusal in result.stderr, result.stderr[-2000:]
+        assert _visible(folder) == old
+        return "old whole, new not started"
+    run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true")
+    _assert_same_run(unbroken_new, folder)
+    assert not os.path.exists(os.path.join(folder, common.NEXT_RUN))
+    return "new resumed"
+
+
+# (signal, when to send it: a condition on the new run's .next_run folder), from the process's start to its move-in
+KILL_POINTS = [
+    (signal.SIGTERM, lambda next_run: True),
+    (signal.SIGKILL, lambda next_run: os.path.isdir(next_run)),
+    (signal.SIGTERM, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 1),
+    (signal.SIGKILL, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.tmp"))),
+    (signal.SIGTERM, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.new"))),
+    (signal.SIGKILL, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 7),
+    (signal.SIGTERM, lambda next_run: os.path.isfile(os.path.join(next_run, "model.safetensors"))),
+]  # the move-in itself, a few renames: test_a_crash_inside_the_move_in_is_finished_by_the_next_run
+
+
+def test_a_kill_at_any_point_of_a_run_over_an_old_one_leaves_the_old_whole_or_the_new_resumable(tmp_path):
+    old_folder, unbroken = str(tmp_path / "old"), str(tmp_path / "unbroken")
+    run_main("sft.py", *OLD_RUN, "--output_dir", old_folder)
+    run_main("sft.py", *NEW_RUN, "--output_dir", unbroken)
+    old = _visible(old_folder)
+    assert "model.safetensors" in old and "checkpoint/state.pt" in old
+    outcomes = []
+    for number, (sig, condition) in enumerate(KILL_POINTS):
+        folder = str(tmp_path / f"run{number}")
+        shutil.copytree(old_folder, folder)
+        process = _start("sft.py", [*NEW_RUN, "--output_dir", folder, "--overwrite_output_dir", "true"])
+        _signal_when(process, lambda: condition(os.path.join(folder, common.NEXT_RUN)), sig)
+        outcomes.append(_check_old_whole_or_new_resumable(folder, old, unbroken))
+    assert "old whole, new not started" in outcomes and "new resumed" in outcomes, outcomes
+
+
+def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkeypatch):
+    """The move-in of a finished run is several renames; a crash between two of them (simulated:
+    the third rename fails) leaves .next_run marked complete, and the next run into the folder
+    finishes the move first: --resume then ends exactly as the unbroken run."""
+    old_folder, unbroken = str(tmp_path / "old"), str(tmp_path / "unbroken")
+    run_main("sft.py", *OLD_RUN, "--output_dir", old_folder)
+    run_main("sft.py", *NEW_RUN, "--output_dir", unbroken)
+    renames, replace = [], os.replace
+
+    def crash_on_the_third(source, target):  # of the renames out of .next_run, not those of a save
+        if os.path.dirname(source) == os.path.join(old_folder, common.NEXT_RUN):
+            renames.append(target)
+            if len(renames) == 3:
+                raise OSError("simulated crash")
+        replace(source, target)
+
+    monkeypatch.setattr(common.os, "replace", crash_on_the_third)
+    with pytest.raises(OSError, match="simulated crash"):
+        run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--overwrite_output_dir", "true")
+    monkeypatch.undo()
+    assert os.path.isfile(os.path.join(old_folder, common.NEXT_RUN, ".complete"))
+    run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--resume", "true")
+    _assert_same_run(unbroken, old_folder)
+    assert not os.path.exists(os.path.join(old_folder, common.NEXT_RUN))
