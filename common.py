@@ -411,6 +411,8 @@ SETTING_RULES = {  # field: (is the value usable?, what it must be); a script ch
     "cliprange_value": (lambda v: v > 0, "positive"),
     "beta": (lambda v: v >= 0, "0 or more"),
     "kl_coef": (lambda v: v >= 0, "0 or more"),
+    "target_kl": (lambda v: v is None or v > 0, "positive (leave it out for a fixed kl_coef)"),
+    "kl_horizon": (lambda v: v >= 1, "at least 1"),
     "mu": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "expert_data_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -427,6 +429,8 @@ SETTING_RULES = {  # field: (is the value usable?, what it must be); a script ch
     "logging_steps": (lambda v: v >= 1, "at least 1"),
     "save_steps": (lambda v: v >= 1, "at least 1"),
     "warmup_steps": (lambda v: v >= 0, "0 or more"),
+    "epsilon_high": (lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)"),
+    "log_completions_steps": (lambda v: v >= 0, "0 or more (0: never)"),
     "weight_decay": (lambda v: v >= 0, "0 or more"),
     "max_grad_norm": (lambda v: v > 0, "positive (the gradient's norm is clipped to it)"),
     "num_eval_examples": (lambda v: v >= 0, "0 or more (0: every held-out example)"),
@@ -576,6 +580,12 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tu
     if is_main_process():  # the metrics as they were at the checkpoint: what was logged after it is logged again
         with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
             f.writelines(state["metrics"])
+        completions = os.path.join(run_dir, "completions.jsonl")  # the same for the samples logged after it
+        if os.path.isfile(completions):
+            with open(completions) as f:
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= state["step"]]
+            with open(completions, "w") as f:
+                f.writelines(kept)
     log(f"resumed from {path} at step {state['step']}")
     return state["step"], state["results"]
 
@@ -1032,7 +1042,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_mo
 # The settings --resume lets change: how a run is watched and saved, not what it trains.
 RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_steps",
                      "num_eval_examples", "eval_samples_per_problem", "per_device_eval_batch_size", "eval_on_start",
-                     "gradient_checkpointing", "merge_lora", "trust_remote_code"}
+                     "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps"}
 _locks = {}  # folder -> the open descriptor that holds its lock until this process ends
 
 
@@ -1205,6 +1215,18 @@ def log_metrics(output_dir: str, metrics: dict):
         return
     with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+
+
+def log_completions(output_dir: str, step: int, prompts: list[str], completions: list[str], **columns):
+    """Append what the policy wrote at this step to <output_dir>/completions.jsonl, one JSON object
+    per completion: step, prompt, completion and each of `columns` (its rewards, its advantage), as
+    TRL's log_completions and nano-aha-moment's episode dumps keep them (rank 0's share only)."""
+    if not is_main_process():
+        return
+    with open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
+        for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+            row = {"step": step, "prompt": prompt, "completion": completion, **{k: v[i] for k, v in columns.items()}}
+            f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}) + "\n")
 
 
 def write_json(path: str, obj: dict):

@@ -7,6 +7,8 @@ reference policy.
 
     python sft.py && python grpo.py                      # tiny model from out/sft -> out/grpo
     python grpo.py --beta 0 --loss_type dapo             # no reference model, token-mean loss
+    python grpo.py --loss_type dr_grpo --scale_rewards none              # Dr. GRPO
+    python grpo.py --importance_sampling_level sequence --epsilon 3e-4 --epsilon_high 4e-4  # GSPO
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
     torchrun --nproc_per_node 2 grpo.py                  # data parallel over 2 GPUs (or CPU processes)
@@ -62,11 +64,25 @@ class Config:
     num_iterations: int = 1
     """gradient steps per rollout batch (mu in the GRPO paper); > 1 needs the old log-probs"""
     epsilon: float = 0.2
-    """clip range of the ratio pi/pi_old"""
+    """clip range of the ratio pi/pi_old: it is kept in [1 - epsilon, 1 + epsilon_high]"""
+    epsilon_high: float | None = None
+    """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow); unset = epsilon"""
+    importance_sampling_level: str = "token"
+    """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
+    ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = 0.04
     """weight of the KL penalty to the reference policy (0 = no reference model)"""
     loss_type: str = "grpo"
-    """'grpo': mean over each sequence's tokens, then over sequences; 'dapo': mean over all tokens"""
+    """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
+    one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
+    completions x max_completion_length"""
+    scale_rewards: str = "group"
+    """divide the centred rewards by the std of their 'group' (GRPO), of the whole 'batch', or 'none' (Dr. GRPO)"""
+    mask_truncated_completions: bool = False
+    """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
+    log_completions_steps: int = 10
+    """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
+    (0 = never)"""
     learning_rate: float = 5e-5
     """peak learning rate of AdamW"""
     warmup_steps: int = 10
@@ -127,19 +143,34 @@ def format_reward(prompts, completions, **kwargs) -> list[float]:
 
 
 REWARD_FUNCS = [correctness_reward, format_reward]
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # see grpo_loss
 
 
 # ---------------------------------------------------------------------------------------------
 # The math of GRPO
 # ---------------------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for each completion i (note 004).
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """A_i = (r_i - mean(r_group)) / (std + eps) for each completion i (note 004), where std is
+      'group': the std of the completion's own group (DeepSeekMath; the default, as TRL's);
+      'batch': the std of every reward of the step, on all processes (TRL's 'batch'; REINFORCE++);
+      'none':  no division at all (Dr. GRPO, Liu et al. 2025): dividing by the group's std gives
+               prompts that are almost always solved or almost never larger advantages.
 
     rewards [B*G], the G completions of a prompt contiguous; std is the unbiased one (torch's
     default, as TRL). The group mean is the baseline a critic would otherwise learn. A group
     whose completions all score the same gives 0 advantage: no signal from that prompt."""
     grouped = rewards.view(-1, group_size)  # [B, G]
-    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, keepdim=True)
+    mean = grouped.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        std = grouped.std(dim=1, keepdim=True)
+    elif scale_rewards == "batch":  # under torchrun: the mean and std of the whole global batch
+        count, total = common.global_sum(float(rewards.numel())), common.global_sum(rewards.sum())
+        std = (common.global_sum(((rewards - total / count) ** 2).sum()) / (count - 1)).sqrt()
+    elif scale_rewards == "none":
+        return (grouped - mean).view(-1)
+    else:
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
 
 
@@ -153,19 +184,40 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
+    """pi_theta / pi_old: per token, [B, T] (PPO, GRPO), or per completion, [B, 1] (GSPO, Zheng et
+    al. 2025): exp of the mean over the completion's tokens of log pi_theta - log pi_old, i.e. the
+    geometric mean of its token ratios; the sequence, not the token, is the unit the reward scored.
+    Padding must hold 0 in both log-prob tensors."""
+    log_ratio = logprobs - old_logprobs  # [B, T]
+    if importance_sampling_level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+    elif importance_sampling_level != "token":
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
+    return torch.exp(log_ratio)
+
+
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_sequences=None, step_tokens=None):
+              step_sequences=None, step_tokens=None, epsilon_high=None, importance_sampling_level="token",
+              max_completion_length=None):
     """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
 
-        ratio = exp(logp - old_logp)            (pi_theta / pi_old)
-        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i) - beta * k3_t )
+        ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
+        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
 
-    then aggregated over the real tokens (mask) in one of two ways:
-      'grpo' (DeepSeekMath, TRL's loss_type="grpo"): mean over each sequence's tokens, then mean
-             over sequences; every completion weighs the same, so a token of a long completion
-             weighs less than one of a short completion.
-      'dapo' (DAPO / BNPO, TRL's default today): one mean over all tokens of the batch; every
-             token weighs the same, which removes that length bias.
+    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher lets a token whose
+    probability is small grow further before the clip stops it). Then the per-token losses of the
+    real tokens (mask) are aggregated in one of four ways (TRL's loss_type names):
+      'grpo'    (DeepSeekMath): mean over each completion's tokens, then mean over completions.
+                Every completion weighs the same, so a token of a long completion weighs less:
+                for a wrong answer (A < 0) a longer one is penalised less per token.
+      'bnpo'    one mean over the tokens of this micro-batch (and process).
+      'dapo'    (DAPO, Yu et al. 2025): one mean over all tokens of the step, all micro-batches
+                and processes. Every token weighs the same, which reduces that length bias; the
+                denominator still changes with the batch's lengths.
+      'dr_grpo' (Dr. GRPO, Liu et al. 2025): the sum over tokens / (completions x
+                max_completion_length), a constant: no length bias at all.
+    'bnpo' and 'dapo' are the same when a step is one micro-batch on one process.
 
     logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. With a single update
     per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
@@ -174,24 +226,30 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
 
     Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
     step's number of completions) and step_tokens (common.token_count of the step's mask) replace
-    this micro-batch's own counts in the two means, so the micro-batch losses add up to the loss
-    of the whole step, and so do their gradients.
+    this micro-batch's own counts, so the micro-batch losses add up to the loss of the whole step,
+    and so do their gradients ('bnpo' divides by the number of micro-batches instead).
     """
     mask = mask.bool()
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
     logprobs = torch.where(mask, logprobs, 0.0)
     old_logprobs = torch.where(mask, old_logprobs, 0.0)
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, T]
+    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [B, T] or [B, 1]
     A = advantages.unsqueeze(1)  # [B, 1]
-    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * A)  # [B, T]
+    high = clip_eps if epsilon_high is None else epsilon_high
+    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [B, T]
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     per_token = torch.where(mask, per_token, 0.0)
+    sequences = len(mask) if step_sequences is None else step_sequences
     if loss_type == "grpo":
         per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
-        return per_sequence.sum() / (len(mask) if step_sequences is None else step_sequences)
+        return per_sequence.sum() / sequences
+    if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
+        return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
     if loss_type == "dapo":  # under torchrun: the global batch's tokens
         return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
+    if loss_type == "dr_grpo":
+        return per_token.sum() / (sequences * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -201,11 +259,14 @@ def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.
     return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
 
 
-def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps) -> float:
+def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_high=None,
+                  importance_sampling_level="token") -> float:
     """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = importance_ratio(torch.where(mask.bool(), logprobs, 0.0), torch.where(mask.bool(), old_logprobs, 0.0),
+                             mask, importance_sampling_level)
     A = advantages.unsqueeze(1)
-    clipped = ((ratio > 1 + clip_eps) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
+    high = clip_eps if epsilon_high is None else epsilon_high
+    clipped = ((ratio > 1 + high) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
     return (clipped & mask.bool()).sum().item() / mask.sum().item()
 
 
@@ -220,8 +281,10 @@ def main(cfg: Config):
     if step_batch % cfg.num_generations:
         common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({step_batch}) must be a multiple of "
                     f"--num_generations ({cfg.num_generations})")
-    if cfg.loss_type not in ("grpo", "dapo"):
-        common.fail(f"--loss_type must be 'grpo' or 'dapo', not {cfg.loss_type!r}")
+    for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", ("group", "batch", "none")),
+                          ("importance_sampling_level", ("token", "sequence"))):
+        if getattr(cfg, name) not in choices:
+            common.fail(f"--{name} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}")
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
     common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
@@ -297,7 +360,11 @@ def main(cfg: Config):
         rewards = rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
-        advantages = group_advantages(rewards, G).to(device)  # [B*G]
+        advantages = group_advantages(rewards, G, cfg.scale_rewards).to(device)  # [B*G]
+        loss_mask = completion_mask  # [B*G, T]: the tokens that carry loss
+        if cfg.mask_truncated_completions:  # DAPO: a completion cut off at max_completion_length carries none
+            ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)  # [B*G]
+            loss_mask = completion_mask * ended.unsqueeze(1)
         t1 = time.perf_counter()
 
         # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
@@ -307,7 +374,7 @@ def main(cfg: Config):
         # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
         # losses are normalised by the whole step's counts, so the gradients add up to the step's.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        step_sequences, step_tokens = len(input_ids), common.token_count(completion_mask)
+        step_sequences, step_tokens = len(input_ids), common.token_count(loss_mask)
         ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G, T]
         old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
         with torch.no_grad():
@@ -329,7 +396,8 @@ def main(cfg: Config):
                 micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
                 old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
                 micro_loss = grpo_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
-                                       completion_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type, step_sequences, step_tokens)
+                                       loss_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type, step_sequences, step_tokens,
+                                       cfg.epsilon_high, cfg.importance_sampling_level, cfg.max_completion_length)
                 t3 = time.perf_counter()
                 micro_loss.backward()  # gradients add up over the micro-batches
                 logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
@@ -346,12 +414,14 @@ def main(cfg: Config):
         # 6. Logging (TRL's metric names where they exist).
         with torch.no_grad():
             kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs), completion_mask).item() if cfg.beta > 0 else 0.0
-            clipped = clip_fraction(logprobs, old, advantages, completion_mask, cfg.epsilon)
+            clipped = clip_fraction(logprobs, old, advantages, completion_mask, cfg.epsilon, cfg.epsilon_high,
+                                    cfg.importance_sampling_level)
         metrics = {
             "step": step,
             "loss": loss.item(),
             "reward": rewards.mean().item(),
             "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),  # within-group spread: the signal
+            "frac_reward_zero_std": (rewards.view(-1, G).std(dim=1) == 0).float().mean().item(),  # groups that teach nothing
             **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
             "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
             "kl": kl,
@@ -366,6 +436,9 @@ def main(cfg: Config):
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(run_dir, metrics)
+        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # what the policy wrote (rank 0's share)
+            common.log_completions(run_dir, step, prompts, completions, advantage=advantages.tolist(),
+                                   **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist() for i, f in enumerate(REWARD_FUNCS)})
         progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)

@@ -64,7 +64,12 @@ class Config:
     temperature: float = 1.0
     """sampling temperature of the rollout"""
     kl_coef: float = 0.1
-    """beta of the per-token KL reward -beta * (logp - ref_logp)"""
+    """beta of the per-token KL reward -beta * (logp - ref_logp) (the starting value with --target_kl)"""
+    target_kl: float | None = None
+    """adapt kl_coef after each step so that the KL to the reference moves toward this value (Ziegler et al.'s
+    adaptive controller; unset = kl_coef stays fixed)"""
+    kl_horizon: int = 10000
+    """the adaptive controller's horizon: larger = slower changes of kl_coef"""
     clip_score: float = 5.0
     """the reward model's score is clamped to [-clip_score, clip_score] (DeepSpeed-Chat's clip_reward_value)"""
     cliprange: float = 0.2
@@ -109,6 +114,9 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    log_completions_steps: int = 10
+    """every this many steps, write the step's prompts, completions, scores, rewards and mean advantages to
+    completions.jsonl (0 = never)"""
     save_steps: int = 20
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
@@ -167,6 +175,18 @@ def rule_scores(completions: list[str], answers: list[str]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The math of PPO for language models
 # ---------------------------------------------------------------------------------------------
+def adaptive_kl_coef(kl_coef: float, kl: float, target_kl: float, horizon: int, batch_size: int) -> float:
+    """Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", section 2.2), as
+    TRL's AdaptiveKLController: a proportional controller that steers the KL to the reference
+    (the mean over completions of the summed log pi / pi_ref) toward target_kl:
+
+        e = clip(KL / target_kl - 1, -0.2, 0.2),    kl_coef <- kl_coef * (1 + e * batch_size / horizon)
+
+    The penalty grows while the policy drifts too far and shrinks while it stays too close."""
+    error = min(max(kl / target_kl - 1, -0.2), 0.2)
+    return kl_coef * (1 + error * batch_size / horizon)
+
+
 def compute_rewards(score, logprobs, ref_logprobs, mask, kl_coef, clip_score):
     """Per-token rewards [B, T] (note 000, DeepSpeed-Chat's compute_rewards):
 
@@ -356,9 +376,10 @@ def main(cfg: Config):
     if cfg.resume:  # continue exactly where the last checkpoint stopped
         first_step, results = common.load_training_state(run_dir, **training_state)
         started -= results.get("elapsed", 0.0)
-        initial, scores = results["initial"], results["scores"]
+        initial, scores, kl_coef = results["initial"], results["scores"], results["kl_coef"]
     else:
         common.start_output_dir(run_dir)
+        kl_coef = cfg.kl_coef  # changes only with --target_kl
         first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
         scores = initial
     progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="ppo",
@@ -394,7 +415,7 @@ def main(cfg: Config):
             else:
                 score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows]) for rows in micro_batches])  # [B]
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
-            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, cfg.kl_coef, cfg.clip_score)  # [B, T]
+            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
             advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
             if cfg.whiten_advantages:
                 advantages = whiten(advantages, mask)
@@ -455,6 +476,7 @@ def main(cfg: Config):
             **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])}
                if has_answers else {}),
             "kl": kl,  # sum over a completion's tokens of log pi/pi_ref, mean over completions
+            "kl_coef": kl_coef,
             "loss/actor": mean(stats["actor_loss"]),
             "loss/critic": mean(stats["critic_loss"]),
             "clip_fraction/actor": mean(stats["actor_clip"]),
@@ -470,12 +492,19 @@ def main(cfg: Config):
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(run_dir, metrics)
+        if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["kl"], cfg.target_kl, cfg.kl_horizon, len(prompts) * world_size)
+        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # what the policy wrote (rank 0's share)
+            common.log_completions(run_dir, step, prompts, completions, score=score.tolist(),
+                                   reward=torch.where(mask.bool(), rewards, 0.0).sum(dim=1).tolist(),
+                                   advantage=(advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist())
         progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}", kl=f"{kl:.2f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "kl_coef": kl_coef,
+                                                               "elapsed": time.perf_counter() - started}, **training_state)
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
