@@ -184,6 +184,13 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+def drop_truncated(completion_ids, completion_mask, eos_token_id: int) -> torch.Tensor:
+    """DAPO's overlong filtering: completion_mask [B, T] with every row that never reached EOS (cut
+    off at max_completion_length) set to 0, so that such a completion carries no loss."""
+    ended = ((completion_ids == eos_token_id) & completion_mask.bool()).any(dim=1)  # [B]
+    return completion_mask * ended.unsqueeze(1)
+
+
 def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
     """pi_theta / pi_old: per token, [B, T] (PPO, GRPO), or per completion, [B, 1] (GSPO, Zheng et
     al. 2025): exp of the mean over the completion's tokens of log pi_theta - log pi_old, i.e. the
@@ -361,10 +368,9 @@ def main(cfg: Config):
 
         # 3. Group-relative advantages replace the critic.
         advantages = group_advantages(rewards, G, cfg.scale_rewards).to(device)  # [B*G]
-        loss_mask = completion_mask  # [B*G, T]: the tokens that carry loss
-        if cfg.mask_truncated_completions:  # DAPO: a completion cut off at max_completion_length carries none
-            ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)  # [B*G]
-            loss_mask = completion_mask * ended.unsqueeze(1)
+        # The tokens that carry loss [B*G, T]: every real one, or (DAPO) none of a completion that was cut off.
+        drop = cfg.mask_truncated_completions
+        loss_mask = drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id) if drop else completion_mask
         t1 = time.perf_counter()
 
         # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.

@@ -148,8 +148,8 @@ def test_expert_data_is_correct_and_disjoint_from_sft_and_test_problems():
 def test_mix_is_grpo_plus_the_expert_term():
     """Every line of grpo.py's functions that mix.py shares is the same, letter for letter."""
     import inspect
-    for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "grpo_loss",
-                 "masked_mean_per_sequence", "clip_fraction"):
+    for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "drop_truncated", "importance_ratio",
+                 "grpo_loss", "masked_mean_per_sequence", "clip_fraction"):
         assert inspect.getsource(getattr(mix, name)) == inspect.getsource(getattr(grpo, name)), name
     # and the whole file differs from grpo.py by a bounded, reviewable set of removed lines
     diff = subprocess.run(["diff", "grpo.py", "mix.py"], cwd=ROOT, capture_output=True, text=True).stdout

@@ -91,7 +91,13 @@ CASES = [
     (["grpo.py", "mix.py", "ppo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
     # settings
-    (["grpo.py", "mix.py"], ["--loss_type", "mean"], "--loss_type must be 'grpo' or 'dapo'"),
+    (["grpo.py", "mix.py"], ["--loss_type", "mean"], "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, not 'mean'"),
+    (["grpo.py", "mix.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
+    (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"], "--importance_sampling_level must be one of token, sequence"),
+    (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
+    (["grpo.py", "mix.py", "ppo.py"], ["--log_completions_steps", "-1"], "--log_completions_steps must be 0 or more"),
+    (["ppo.py"], ["--target_kl", "0"], "--target_kl must be positive"),
+    (["ppo.py"], ["--kl_horizon", "0"], "--kl_horizon must be at least 1"),
     (["grpo.py", "mix.py"], ["--num_generations", "1"], "--num_generations must be at least 2"),
     (["grpo.py"], ["--per_device_train_batch_size", "12"], "must be a multiple of --num_generations"),
     (["mix.py"], ["--per_device_train_batch_size", "12"], "positive multiple of --num_generations"),
@@ -287,10 +293,12 @@ def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
             "--eval_steps", "100", "--num_eval_examples", "8"]
     whole = str(tmp_path / "whole")
     run_main("sft.py", *args, "--output_dir", whole)
+    killed = str(tmp_path / "killed")
+    _signal_when(_start("sft.py", [*args, "--output_dir", killed]), lambda: _lines(os.path.join(killed, "metrics.jsonl")) >= 5)
     for damage in ("torn", "missing"):
         broken = str(tmp_path / damage)
+        shutil.copytree(killed, broken)
         metrics = os.path.join(broken, "metrics.jsonl")
-        _signal_when(_start("sft.py", [*args, "--output_dir", broken]), lambda: _lines(metrics) >= 5)
         os.remove(metrics)
         if damage == "torn":
             with open(metrics, "w") as f:
@@ -317,11 +325,13 @@ def test_one_writer_per_folder(tmp_path):
         while not os.path.isfile(os.path.join(out, "metrics.jsonl")):
             assert first.poll() is None and time.time() < deadline
             time.sleep(0.05)
-        for flags in (["--overwrite_output_dir", "true"], ["--resume", "true"]):
-            second = run("sft.py", "--max_steps", "2000", "--output_dir", out, *flags, check=False)
-            assert second.returncode == 1, second.stderr[-2000:]
-            assert second.stderr.strip().splitlines()[-1] == (
-                f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir")
+        for flags in (["--overwrite_output_dir", "true"], ["--resume", "true"]):  # this process is the second run
+            with pytest.raises(SystemExit) as stop:
+                sft.main(common.parse_config(sft.Config, ["--max_steps", "2000", "--output_dir", out, *flags]))
+            assert stop.value.code == f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir"
+        second = run("sft.py", "--output_dir", out, "--overwrite_output_dir", "true", check=False)  # from the command line
+        assert second.returncode == 1 and "Traceback" not in second.stderr
+        assert second.stderr.strip().splitlines()[-1].startswith(f"error: another run is writing to {out}")
     finally:
         first.kill()
         first.wait()
@@ -446,13 +456,11 @@ def _check_old_whole_or_new_resumable(folder, old, unbroken_new):
 
 # (signal, when to send it: a condition on the new run's .next_run folder), from the process's start to its move-in
 KILL_POINTS = [
-    (signal.SIGTERM, lambda next_run: True),
-    (signal.SIGKILL, lambda next_run: os.path.isdir(next_run)),
-    (signal.SIGTERM, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 1),
-    (signal.SIGKILL, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.tmp"))),
-    (signal.SIGTERM, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.new"))),
-    (signal.SIGKILL, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 7),
-    (signal.SIGTERM, lambda next_run: os.path.isfile(os.path.join(next_run, "model.safetensors"))),
+    (signal.SIGTERM, lambda next_run: True),  # while Python starts
+    (signal.SIGKILL, lambda next_run: os.path.isdir(next_run)),  # the new run has only begun to write
+    (signal.SIGKILL, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.tmp"))),  # inside a save
+    (signal.SIGTERM, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 7),  # between two saves
+    (signal.SIGTERM, lambda next_run: os.path.isfile(os.path.join(next_run, "model.safetensors"))),  # at the end
 ]  # the move-in itself, a few renames: test_a_crash_inside_the_move_in_is_finished_by_the_next_run
 
 
