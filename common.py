@@ -694,8 +694,8 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
         data = datasets.load_dataset(dataset, config_name, split=split)
     except Exception as error:
         fail(f"could not load dataset {dataset!r} split {split!r} ({_first_line(error)})")
-    rows = check_rows(data.to_list(), f"{dataset} {split}", columns, [f"row {i}" for i in range(1, len(data) + 1)])
-    return data if len(rows) == len(data) else datasets.Dataset.from_list(rows)
+    keep = check_rows(data.to_list(), f"{dataset} {split}", columns, [f"row {i}" for i in range(1, len(data) + 1)])
+    return data if len(keep) == len(data) else data.select(keep)
 
 
 def load_jsonl(path: str, columns=()):
@@ -722,9 +722,8 @@ def load_jsonl(path: str, columns=()):
             rows.append((number, row))
     if not rows:
         fail(f"{path} is empty")
-    labels = [f"line {number}" for number, _ in rows]
-    rows = check_rows([row for _, row in rows], path, columns, labels)
-    labels = labels if len(labels) == len(rows) else [f"row {i}" for i in range(1, len(rows) + 1)]  # rows were skipped
+    keep = check_rows([row for _, row in rows], path, columns, [f"line {number}" for number, _ in rows])
+    labels, rows = [f"line {rows[i][0]}" for i in keep], [rows[i][1] for i in keep]
     names = list(dict.fromkeys(key for row in rows for key in row))  # every column, in order of appearance
     for name in names:  # a table needs one type per column: name the first line that breaks it
         kinds = [(label, type(row[name]).__name__) for label, row in zip(labels, rows) if row.get(name) is not None]
@@ -766,12 +765,12 @@ COLUMN_CHECKS = {"question": _text_problem, "prompt": _text_problem, "chosen": _
 MAX_BAD_SHARE = 0.01  # a file with more unusable rows than this is refused; fewer are skipped with a count
 
 
-def check_rows(rows: list[dict], name: str, columns, labels: list[str]) -> list[dict]:
+def check_rows(rows: list[dict], name: str, columns, labels: list[str]) -> list[int]:
     """Refuse data a script cannot learn from: a missing column, or more than MAX_BAD_SHARE of the
     rows with a column that is missing, not text, empty, or (answer) without a final answer, or
     (messages) not a chat ending with the assistant's answer; or a preference pair whose chosen and
     rejected are the same text. The sentence names the first bad row (labels: "line 7"). A smaller
-    share of bad rows is dropped, with a count in the log. Returns the usable rows."""
+    share of bad rows is dropped, with a count in the log. Returns the indices of the usable rows."""
     if not rows:
         fail(f"{name} is empty")
     present = set().union(*rows)
@@ -787,14 +786,14 @@ def check_rows(rows: list[dict], name: str, columns, labels: list[str]) -> list[
         if problem:
             bad.append((index, problem))
     if not bad:
-        return rows
+        return list(range(len(rows)))
     index, problem = bad[0]
     if len(bad) > MAX_BAD_SHARE * len(rows):
         fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(rows)} rows are unusable, more than "
              f"{MAX_BAD_SHARE:.0%}: fix the data")
     log(f"{name}: skipped {len(bad)} of {len(rows)} unusable rows (the first, {labels[index]}: {problem})")
     skipped = {index for index, _ in bad}
-    return [row for i, row in enumerate(rows) if i not in skipped]
+    return [i for i in range(len(rows)) if i not in skipped]
 
 
 def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:

@@ -566,12 +566,13 @@ def main(cfg: Config):
                                    cfg.max_completion_length).item()
             expert_loss = sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
                                    max_completion_length=cfg.max_completion_length).item()
+        group_std = rewards.view(-1, G).std(dim=1)  # [B]
         metrics = {
             "step": step,
             "loss": loss.item(),
             "reward": rewards.mean().item(),
-            "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),  # within-group spread: the signal
-            "frac_reward_zero_std": (rewards.view(-1, G).std(dim=1) == 0).float().mean().item(),  # groups that teach nothing
+            "reward_std": group_std.mean().item(),  # within-group spread: the signal
+            "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups that teach nothing
             **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
             "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
             "kl": kl,
