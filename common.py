@@ -397,62 +397,22 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
 # ---------------------------------------------------------------------------------------------
 # Robustness: settings that cannot work, sequences too long, NaN/inf, resumable checkpoints
 # ---------------------------------------------------------------------------------------------
-SETTING_RULES = {  # field: (is the value usable?, what it must be); a script checks the fields it has
-    "max_steps": (lambda v: v >= 1, "at least 1"),
-    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1"),
-    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1"),
-    "max_completion_length": (lambda v: v >= 1, "at least 1 token"),
-    "num_generations": (lambda v: v >= 2, "at least 2: the advantage compares completions within a group"),
-    "learning_rate": (lambda v: v > 0, "positive"),
-    "critic_learning_rate": (lambda v: v > 0, "positive"),
-    "temperature": (lambda v: v > 0, "positive"),
-    "epsilon": (lambda v: v > 0, "positive (the clip range of the ratio)"),
-    "cliprange": (lambda v: v > 0, "positive (the clip range of the ratio)"),
-    "cliprange_value": (lambda v: v > 0, "positive"),
-    "beta": (lambda v: v >= 0, "0 or more"),
-    "kl_coef": (lambda v: v >= 0, "0 or more"),
-    "target_kl": (lambda v: v is None or v > 0, "positive (leave it out for a fixed kl_coef)"),
-    "kl_horizon": (lambda v: v >= 1, "at least 1"),
-    "mu": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "expert_data_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "min_lr_rate": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "lora_r": (lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)"),
-    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "num_iterations": (lambda v: v >= 1, "at least 1"),
-    "num_ppo_epochs": (lambda v: v >= 1, "at least 1"),
-    "num_mini_batches": (lambda v: v >= 1, "at least 1"),
-    "eval_steps": (lambda v: v >= 1, "at least 1"),
-    "eval_samples_per_problem": (lambda v: v >= 1, "at least 1"),
-    "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1"),
-    "logging_steps": (lambda v: v >= 1, "at least 1"),
-    "save_steps": (lambda v: v >= 1, "at least 1"),
-    "warmup_steps": (lambda v: v >= 0, "0 or more"),
-    "epsilon_high": (lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)"),
-    "log_completions_steps": (lambda v: v >= 0, "0 or more (0: never)"),
-    "weight_decay": (lambda v: v >= 0, "0 or more"),
-    "max_grad_norm": (lambda v: v > 0, "positive (the gradient's norm is clipped to it)"),
-    "num_eval_examples": (lambda v: v >= 0, "0 or more (0: every held-out example)"),
-    "lora_alpha": (lambda v: v > 0, "positive"),
-    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2^32)"),
-    "policy_prompts": (lambda v: v >= 0, "0 or more"),
-    "samples_per_prompt": (lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one"),
-    "max_length": (lambda v: v >= 2, "at least 2 tokens"),
-    "clip_score": (lambda v: v > 0, "positive"),
-}
+def setting(default, usable, must_be: str):
+    """A Config field with its check beside it: `lr: float = setting(1e-3, lambda v: v > 0, "positive")`.
+    check_settings stops with "--lr must be positive, not -1.0" when usable(value) is false."""
+    return dataclasses.field(default=default, metadata={"usable": usable, "must_be": must_be})
+
 
 
 def check_settings(cfg):
-    """One clear sentence for the first setting that cannot work (before anything is loaded or written)."""
+    """One clear sentence for the first setting that cannot work (before anything is loaded or written):
+    every float must be finite, and each field declared with `setting` must pass its own check."""
     for field in dataclasses.fields(cfg):
         value = getattr(cfg, field.name)
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{field.name} must be a finite number, not {value}")
-        if field.name in SETTING_RULES:
-            usable, must_be = SETTING_RULES[field.name]
-            if not usable(getattr(cfg, field.name)):
-                fail(f"--{field.name} must be {must_be}, not {getattr(cfg, field.name)}")
+        if "usable" in field.metadata and not field.metadata["usable"](value):
+            fail(f"--{field.name} must be {field.metadata['must_be']}, not {value}")
 
 
 def check_fits_context(model, num_tokens: int, what: str):
@@ -704,7 +664,7 @@ def load_jsonl(path: str, columns=()):
     is one sentence naming the file and the line."""
     if not os.path.isfile(path):
         fail(f"no data file {path}")
-    rows = []
+    records = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
@@ -719,19 +679,19 @@ def load_jsonl(path: str, columns=()):
                 fail(f"{path} line {number} is not valid JSON")
             if not isinstance(row, dict):
                 fail(f"{path} line {number} is not a JSON object")
-            rows.append((number, row))
-    if not rows:
+            records.append((number, row))
+    if not records:
         fail(f"{path} is empty")
-    keep = check_rows([row for _, row in rows], path, columns, [f"line {number}" for number, _ in rows])
-    labels, rows = [f"line {rows[i][0]}" for i in keep], [rows[i][1] for i in keep]
-    names = list(dict.fromkeys(key for row in rows for key in row))  # every column, in order of appearance
+    keep = check_rows([row for _, row in records], path, columns, [f"line {number}" for number, _ in records])
+    labels, records = [f"line {records[i][0]}" for i in keep], [records[i][1] for i in keep]
+    names = list(dict.fromkeys(key for row in records for key in row))  # every column, in order of appearance
     for name in names:  # a table needs one type per column: name the first line that breaks it
-        kinds = [(label, type(row[name]).__name__) for label, row in zip(labels, rows) if row.get(name) is not None]
+        kinds = [(label, type(row[name]).__name__) for label, row in zip(labels, records) if row.get(name) is not None]
         other = next(((label, kind) for label, kind in kinds if kind != kinds[0][1]), None)
         if other:
             fail(f"{path} {other[0]}: {name!r} is {other[1]}, where {kinds[0][0]} has {kinds[0][1]}: "
                  "give each column one type")
-    return datasets.Dataset.from_dict({name: [row.get(name) for row in rows] for name in names})
+    return datasets.Dataset.from_dict({name: [row.get(name) for row in records] for name in names})
 
 
 # Data checks: a row is usable when each column the script needs passes its check (None = usable).
@@ -765,35 +725,35 @@ COLUMN_CHECKS = {"question": _text_problem, "prompt": _text_problem, "chosen": _
 MAX_BAD_SHARE = 0.01  # a file with more unusable rows than this is refused; fewer are skipped with a count
 
 
-def check_rows(rows: list[dict], name: str, columns, labels: list[str]) -> list[int]:
+def check_rows(records: list[dict], name: str, columns, labels: list[str]) -> list[int]:
     """Refuse data a script cannot learn from: a missing column, or more than MAX_BAD_SHARE of the
     rows with a column that is missing, not text, empty, or (answer) without a final answer, or
     (messages) not a chat ending with the assistant's answer; or a preference pair whose chosen and
     rejected are the same text. The sentence names the first bad row (labels: "line 7"). A smaller
-    share of bad rows is dropped, with a count in the log. Returns the indices of the usable rows."""
-    if not rows:
+    share of bad rows is dropped, with a count in the log. Returns the indices of the usable ones."""
+    if not records:
         fail(f"{name} is empty")
-    present = set().union(*rows)
+    present = set().union(*records)
     for column in columns:
         if column not in present:
-            fail(f"{name} has no column {column!r} (it has {', '.join(dict.fromkeys(k for row in rows for k in row))})")
+            fail(f"{name} has no column {column!r} (it has {', '.join(dict.fromkeys(k for row in records for k in row))})")
     checks = [(column, COLUMN_CHECKS[column]) for column in columns if column in COLUMN_CHECKS]
     bad = []  # (row index, what is wrong)
-    for index, row in enumerate(rows):
+    for index, row in enumerate(records):
         problem = next((f"{column!r} {check(row.get(column))}" for column, check in checks if check(row.get(column))), None)
         if problem is None and "rejected" in columns and row.get("chosen") == row["rejected"]:
             problem = "'chosen' and 'rejected' are the same text (the pair teaches nothing)"
         if problem:
             bad.append((index, problem))
     if not bad:
-        return list(range(len(rows)))
+        return list(range(len(records)))
     index, problem = bad[0]
-    if len(bad) > MAX_BAD_SHARE * len(rows):
-        fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(rows)} rows are unusable, more than "
+    if len(bad) > MAX_BAD_SHARE * len(records):
+        fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(records)} rows are unusable, more than "
              f"{MAX_BAD_SHARE:.0%}: fix the data")
-    log(f"{name}: skipped {len(bad)} of {len(rows)} unusable rows (the first, {labels[index]}: {problem})")
+    log(f"{name}: skipped {len(bad)} of {len(records)} unusable rows (the first, {labels[index]}: {problem})")
     skipped = {index for index, _ in bad}
-    return [i for i in range(len(rows)) if i not in skipped]
+    return [i for i in range(len(records)) if i not in skipped]
 
 
 def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
@@ -1015,15 +975,15 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
     correct_greedy = correct_sampled = 0
     rows_per_batch = max(1, batch_size // samples_per_problem)
     for start in range(0, len(dataset), rows_per_batch):
-        rows = dataset[start : start + rows_per_batch]
-        prompts = [make_prompt(tokenizer, q, system_prompt) for q in rows["question"]]
+        batch = dataset[start : start + rows_per_batch]
+        prompts = [make_prompt(tokenizer, q, system_prompt) for q in batch["question"]]
         *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, rows["answer"]))
+        correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, batch["answer"]))
         repeated = [p for p in prompts for _ in range(samples_per_problem)]
         *_, completion_ids, _ = generate(model, tokenizer, repeated, max_new_tokens, temperature=1.0)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        answers = [a for a in rows["answer"] for _ in range(samples_per_problem)]
+        answers = [a for a in batch["answer"] for _ in range(samples_per_problem)]
         correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()
     n, correct_greedy, correct_sampled = (int(global_sum(float(x))) for x in (len(dataset), correct_greedy, correct_sampled))

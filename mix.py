@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common
+from common import setting
 
 
 @dataclass
@@ -52,34 +53,35 @@ class Config:
     """optional system message before each question (a hub model needs the format explained)"""
     expert_dataset: str = "data/expert.jsonl"
     """expert data: a jsonl file of chat `messages` (system / user / assistant), the last one the expert's answer"""
-    mu: float = 0.1
+    mu: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """weight of the SFT term on expert rows: loss = (1 - mu) * GRPO loss + mu * SFT loss"""
-    expert_data_ratio: float = 0.25
+    expert_data_ratio: float = setting(0.25, lambda v: 0 <= v <= 1, "in [0, 1]")
     """share of each batch's rows that are expert data (Trinity rounds the expert count up)"""
-    max_steps: int = 120
+    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_iterations updates)"""
-    num_generations: int = 8
+    num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
-    per_device_train_batch_size: int = 128
+    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
     """rows per micro-batch; a step has per_device_train_batch_size x gradient_accumulation_steps rows: usual rows
     (prompts per step x num_generations) + expert rows"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
     (less memory), and their gradients add up to the step's (the same result)"""
-    max_completion_length: int = 64
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
     """max new tokens per completion"""
-    temperature: float = 1.0
+    temperature: float = setting(1.0, lambda v: v > 0, "positive")
     """sampling temperature of the rollout"""
-    num_iterations: int = 1
-    """gradient steps per rollout batch (mu in the GRPO paper); > 1 needs the old log-probs"""
-    epsilon: float = 0.2
+    num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
+    """gradient steps per rollout batch (TRL's name; the DeepSeekMath paper writes it as a Greek mu, which
+    in this repo means only MIX's weight); > 1 needs the old log-probs"""
+    epsilon: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the ratio pi/pi_old: it is kept in [1 - epsilon, 1 + epsilon_high]"""
-    epsilon_high: float | None = None
+    epsilon_high: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)")
     """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow); unset = epsilon"""
     importance_sampling_level: str = "token"
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
-    beta: float = 0.04
+    beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
     """weight of the KL penalty to the reference policy (0 = no reference model)"""
     loss_type: str = "grpo"
     """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
@@ -89,42 +91,42 @@ class Config:
     """divide the centred rewards by the std of their 'group' (GRPO), of the whole 'batch', or 'none' (Dr. GRPO)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
-    log_completions_steps: int = 10
+    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
     (0 = never)"""
-    learning_rate: float = 5e-5
+    learning_rate: float = setting(5e-5, lambda v: v > 0, "positive")
     """peak learning rate of AdamW"""
-    warmup_steps: int = 10
+    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = 0.1
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = 0.0
+    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm"""
-    eval_steps: int = 40
+    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
     """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = 500
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
     """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = 4
+    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
     """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = 512
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
     """completions generated at once during evaluation (lower it for a large model)"""
     eval_on_start: bool = True
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    seed: int = 0
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = None
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
     """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy); unset = full fine-tuning"""
-    lora_alpha: float = 16.0
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
     """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
     lora_target_modules: str = "all-linear"
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
-    save_steps: int = 20
+    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
     """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
@@ -132,6 +134,130 @@ class Config:
     """let a hub model run its own Python code (off: only its weights and config are loaded)"""
     merge_lora: bool = False
     """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout and log-probs: the policy writes completions, then one pass scores every token of them.
+# The same code in ppo.py, grpo.py, mix.py and common.py (which evaluates with it);
+# tests/test_shared_code.py keeps the copies identical. Read it here first.
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
+    """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
+
+    At each step: logits of the last position -> sample a token from softmax(logits / temperature)
+    (or take the argmax when greedy) -> feed it back. Prompts are left padded, so all completions
+    start at the same column P. A row that emits EOS stops there and is padded after it; its mask
+    keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
+
+    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
+    was_training = model.training
+    model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
+    with common.autocast(model):
+        cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
+        rows = torch.arange(len(prompts), device=device)  # the rows still writing
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        for t in range(max_new_tokens):
+            next_logits = logits[:, -1].float()  # [b, V]
+            if greedy:
+                next_tokens = next_logits.argmax(dim=-1)  # [b]
+            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
+                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
+            completion_ids[rows, t] = next_tokens
+            writing = next_tokens != tokenizer.eos_token_id  # [b]
+            if t == max_new_tokens - 1 or not writing.any():
+                break
+            if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
+                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                cache.batch_select_indices(writing.nonzero().squeeze(1))
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions + 1
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+                           past_key_values=cache, use_cache=True).logits  # [b, 1, V]
+    model.train(was_training)
+    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
+    return prompt_ids, prompt_mask, completion_ids, common.mask_after_eos(completion_ids, tokenizer.eos_token_id)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                        with_entropy: bool = False, length_chunks: int = 2):
+    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
+
+    The logit at position t predicts token t+1, so the T completion tokens are predicted by the
+    positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
+    drop the final one. Logits are divided by the sampling temperature, so these are the
+    log-probs of the distribution the completions were sampled from. Positions after a row's
+    last real token (attention_mask 0) hold junk or 0: every loss masks them.
+
+    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
+    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
+    """
+    T = num_completion_tokens
+    if length_chunks == 1:  # one pass over the batch as it is
+        logprobs, entropy = chunk_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
+        return (logprobs, entropy) if with_entropy else logprobs
+    positions = torch.arange(1, T + 1, device=input_ids.device)
+    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
+    # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
+    # forward or backward work is spent on the padding after the shorter ones.
+    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
+    for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
+        t = max(int(lengths[rows].max()), 1)
+        width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
+        logprobs[rows, :t], entropy[rows, :t] = chunk_logprobs(  # [b, t] each; gradients flow into logprobs
+            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool):
+    """completion_logprobs of rows that end together: (log-probs [b, T], entropy [b, T] or 0)."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
+    with common.autocast(model):
+        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
+        else:  # the last prompt position predicts the first completion token; the completion the rest
+            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [b, 1, V]
+            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
+                                      position_ids=position_ids[:, -T:], past_key_values=cache).logits
+            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [b, T, V]
+    logits = logits / temperature
+    logprobs = common.gather_logprobs(logits, input_ids[:, -T:])
+    if not with_entropy:
+        return logprobs, 0.0
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [b, T]
+    return logprobs, entropy
+
+
+def prompt_cache(model, prompt_ids, prompt_mask):
+    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
+
+    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
+    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
+    every log-prob pass, with the same results (gradients flow back through the copies).
+    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
+    """
+    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
+    first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
+    first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
+    mask = prompt_mask[first_row]  # [U, P]
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
+    return out.past_key_values, out.logits[row_to_prompt]
+
+
+def prompts_repeat(prompt_ids) -> bool:
+    """True if some rows share a prompt (then prompt_cache saves work)."""
+    return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,16 +435,16 @@ def load_expert_examples(path: str, tokenizer, max_completion_length: int):
     return examples
 
 
-def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, rows, pad_id: int):
-    """Stack `rows` (a list of (prompt ids, answer ids)) under a rollout batch, in its layout
+def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, examples, pad_id: int):
+    """Stack `examples` (a list of (prompt ids, answer ids)) under a rollout batch, in its layout
     [left-padded prompt | right-padded completion]; both parts widen to fit the longer one.
 
     [N, P], [N, P], [N, T], [N, T] -> [N+E, P'], [N+E, P'], [N+E, T'], [N+E, T']"""
-    if not rows:
+    if not examples:
         return prompt_ids, prompt_mask, completion_ids, completion_mask
     device = prompt_ids.device
-    new_prompt_ids, new_prompt_mask = (x.to(device) for x in common.pad_left([p for p, _ in rows], pad_id))  # [E, P2]
-    new_ids, new_mask = (x.to(device) for x in common.pad_right([a for _, a in rows], pad_id))  # [E, T2]
+    new_prompt_ids, new_prompt_mask = (x.to(device) for x in common.pad_left([p for p, _ in examples], pad_id))  # [E, P2]
+    new_ids, new_mask = (x.to(device) for x in common.pad_right([a for _, a in examples], pad_id))  # [E, T2]
     P, T = max(prompt_ids.shape[1], new_prompt_ids.shape[1]), max(completion_ids.shape[1], new_ids.shape[1])
     left = lambda x, value: F.pad(x, (P - x.shape[1], 0), value=value)  # noqa: E731  pad on the left to width P
     right = lambda x, value: F.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731  pad on the right to width T
@@ -485,7 +611,7 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(
+        prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
             model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
         )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -524,10 +650,10 @@ def main(cfg: Config):
             for rows in micro_batches:
                 if cfg.beta > 0:
                     with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                        ref_logprobs[rows] = common.completion_logprobs(reference, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                        ref_logprobs[rows] = completion_logprobs(reference, input_ids[rows], attention_mask[rows], T, cfg.temperature)
                 # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
                 if cfg.num_iterations > 1:
-                    old_logprobs[rows] = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                    old_logprobs[rows] = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
 
         # 5. Policy updates on this batch.
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
@@ -536,7 +662,7 @@ def main(cfg: Config):
             logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the step's loss
             for rows in micro_batches:
                 t2 = time.perf_counter()
-                micro_logprobs = common.completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
+                micro_logprobs = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
                 old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
                 micro_loss = mix_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
                                       loss_mask[rows], expert_mask[rows], cfg.mu, cfg.epsilon, cfg.beta, cfg.loss_type,

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 import common
+from common import setting
 
 
 @dataclass
@@ -47,77 +48,77 @@ class Config:
     finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (use the same as for sft.py)"""
-    max_steps: int = 80
+    max_steps: int = setting(80, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
-    per_device_train_batch_size: int = 128
+    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
     """prompts per micro-batch, one completion each; a step samples per_device_train_batch_size x
     gradient_accumulation_steps prompts"""
-    num_mini_batches: int = 1
+    num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per mini-batch: the passes and the backward run one micro-batch at a time (less memory), and
     their gradients add up to the mini-batch's (the same result)"""
-    num_ppo_epochs: int = 1
+    num_ppo_epochs: int = setting(1, lambda v: v >= 1, "at least 1")
     """passes over each batch of experience (DeepSpeed-Chat's ppo_epochs)"""
-    max_completion_length: int = 64
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
     """max new tokens per completion"""
-    temperature: float = 1.0
+    temperature: float = setting(1.0, lambda v: v > 0, "positive")
     """sampling temperature of the rollout"""
-    kl_coef: float = 0.1
+    kl_coef: float = setting(0.1, lambda v: v >= 0, "0 or more")
     """beta of the per-token KL reward -beta * (logp - ref_logp) (the starting value with --target_kl)"""
-    target_kl: float | None = None
+    target_kl: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out for a fixed kl_coef)")
     """adapt kl_coef after each step so that the KL to the reference moves toward this value (Ziegler et al.'s
     adaptive controller; unset = kl_coef stays fixed)"""
-    kl_horizon: int = 10000
+    kl_horizon: int = setting(10000, lambda v: v >= 1, "at least 1")
     """the adaptive controller's horizon: larger = slower changes of kl_coef"""
-    clip_score: float = 5.0
+    clip_score: float = setting(5.0, lambda v: v > 0, "positive")
     """the reward model's score is clamped to [-clip_score, clip_score] (DeepSpeed-Chat's clip_reward_value)"""
-    cliprange: float = 0.2
+    cliprange: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the actor's ratio pi/pi_old"""
-    cliprange_value: float = 0.2
+    cliprange_value: float = setting(0.2, lambda v: v > 0, "positive")
     """clip range of the critic's values around the old values"""
-    gamma: float = 1.0
+    gamma: float = setting(1.0, lambda v: 0 <= v <= 1, "in [0, 1]")
     """discount factor of GAE"""
-    lam: float = 0.95
+    lam: float = setting(0.95, lambda v: 0 <= v <= 1, "in [0, 1]")
     """lambda of GAE: 0 = one-step TD error, 1 = Monte Carlo return minus value"""
     whiten_advantages: bool = True
     """normalise the advantages of each batch to mean 0, std 1 over the real tokens"""
-    learning_rate: float = 2e-5
+    learning_rate: float = setting(2e-5, lambda v: v > 0, "positive")
     """peak learning rate of the actor's AdamW"""
-    critic_learning_rate: float = 1e-4
+    critic_learning_rate: float = setting(1e-4, lambda v: v > 0, "positive")
     """peak learning rate of the critic's AdamW"""
-    warmup_steps: int = 10
+    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to the learning rates, then a cosine decay"""
-    min_lr_rate: float = 0.1
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """the cosine ends at min_lr_rate * learning rate"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm (actor and critic separately)"""
-    eval_steps: int = 40
+    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
     """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = 500
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
     """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = 4
+    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
     """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = 512
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
     """completions generated at once during evaluation (lower it for a large model)"""
     eval_on_start: bool = True
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    seed: int = 0
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = None
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
     """LoRA rank: adapters on actor and critic (pi_ref = the actor with its adapter off); unset = full fine-tuning"""
-    lora_alpha: float = 16.0
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
     """dropout on the adapter's input"""
     lora_target_modules: str = "all-linear"
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
-    log_completions_steps: int = 10
+    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, scores, rewards and mean advantages to
     completions.jsonl (0 = never)"""
-    save_steps: int = 20
+    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
     """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
@@ -125,6 +126,130 @@ class Config:
     """let a hub model run its own Python code (off: only its weights and config are loaded)"""
     merge_lora: bool = False
     """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout and log-probs: the policy writes completions, then one pass scores every token of them.
+# The same code in ppo.py, grpo.py, mix.py and common.py (which evaluates with it);
+# tests/test_shared_code.py keeps the copies identical. Read it here first.
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
+    """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
+
+    At each step: logits of the last position -> sample a token from softmax(logits / temperature)
+    (or take the argmax when greedy) -> feed it back. Prompts are left padded, so all completions
+    start at the same column P. A row that emits EOS stops there and is padded after it; its mask
+    keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
+
+    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
+    was_training = model.training
+    model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
+    with common.autocast(model):
+        cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
+        rows = torch.arange(len(prompts), device=device)  # the rows still writing
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        for t in range(max_new_tokens):
+            next_logits = logits[:, -1].float()  # [b, V]
+            if greedy:
+                next_tokens = next_logits.argmax(dim=-1)  # [b]
+            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
+                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
+            completion_ids[rows, t] = next_tokens
+            writing = next_tokens != tokenizer.eos_token_id  # [b]
+            if t == max_new_tokens - 1 or not writing.any():
+                break
+            if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
+                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                cache.batch_select_indices(writing.nonzero().squeeze(1))
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+            positions = positions + 1
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+                           past_key_values=cache, use_cache=True).logits  # [b, 1, V]
+    model.train(was_training)
+    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
+    return prompt_ids, prompt_mask, completion_ids, common.mask_after_eos(completion_ids, tokenizer.eos_token_id)
+
+
+def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
+                        with_entropy: bool = False, length_chunks: int = 2):
+    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
+
+    The logit at position t predicts token t+1, so the T completion tokens are predicted by the
+    positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
+    drop the final one. Logits are divided by the sampling temperature, so these are the
+    log-probs of the distribution the completions were sampled from. Positions after a row's
+    last real token (attention_mask 0) hold junk or 0: every loss masks them.
+
+    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
+    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
+    """
+    T = num_completion_tokens
+    if length_chunks == 1:  # one pass over the batch as it is
+        logprobs, entropy = chunk_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
+        return (logprobs, entropy) if with_entropy else logprobs
+    positions = torch.arange(1, T + 1, device=input_ids.device)
+    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
+    # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
+    # forward or backward work is spent on the padding after the shorter ones.
+    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
+    for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
+        t = max(int(lengths[rows].max()), 1)
+        width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
+        logprobs[rows, :t], entropy[rows, :t] = chunk_logprobs(  # [b, t] each; gradients flow into logprobs
+            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
+    return (logprobs, entropy) if with_entropy else logprobs
+
+
+def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool):
+    """completion_logprobs of rows that end together: (log-probs [b, T], entropy [b, T] or 0)."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
+    with common.autocast(model):
+        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                           logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
+        else:  # the last prompt position predicts the first completion token; the completion the rest
+            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [b, 1, V]
+            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
+                                      position_ids=position_ids[:, -T:], past_key_values=cache).logits
+            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [b, T, V]
+    logits = logits / temperature
+    logprobs = common.gather_logprobs(logits, input_ids[:, -T:])
+    if not with_entropy:
+        return logprobs, 0.0
+    with torch.no_grad():
+        log_p = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [b, T]
+    return logprobs, entropy
+
+
+def prompt_cache(model, prompt_ids, prompt_mask):
+    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
+
+    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
+    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
+    every log-prob pass, with the same results (gradients flow back through the copies).
+    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
+    """
+    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
+    first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
+    first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
+    mask = prompt_mask[first_row]  # [U, P]
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
+    return out.past_key_values, out.logits[row_to_prompt]
+
+
+def prompts_repeat(prompt_ids) -> bool:
+    """True if some rows share a prompt (then prompt_cache saves work)."""
+    return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +283,7 @@ def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: in
     total = 0.0
     for start in range(0, len(questions), batch_size):
         prompts = [common.make_prompt(tokenizer, q, system_prompt) for q in questions[start : start + batch_size]]
-        prompt_ids, prompt_mask, completion_ids, mask = common.generate(actor, tokenizer, prompts, max_new_tokens, greedy=True)
+        prompt_ids, prompt_mask, completion_ids, mask = generate(actor, tokenizer, prompts, max_new_tokens, greedy=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
         total += reward_scores(reward_model, input_ids, attention_mask).sum().item()
     actor.train()
@@ -285,10 +410,14 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=N
     return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask, step_tokens)
 
 
-def clip_fraction(ratio_or_values, lower, upper, mask) -> float:
-    """Fraction of real tokens outside [lower, upper] (where the clipped term takes over)."""
-    outside = (ratio_or_values < lower) | (ratio_or_values > upper)
-    return (outside & mask.bool()).sum().item() / mask.sum().item()
+def clip_fraction(unclipped_loss, clipped_loss, mask) -> float:
+    """Fraction of real tokens where the clipped term of max(unclipped, clipped) is strictly the
+    larger (TRL's clipfrac), i.e. the tokens that get no gradient from this update. For the actor:
+    the ratio has moved past 1 + eps with A > 0, or past 1 - eps with A < 0 (grpo.py's clip_fraction
+    counts the same tokens); for the critic: V has moved more than c from its old value toward the
+    return, so the clipped error is the larger. unclipped_loss, clipped_loss, mask [B, T]."""
+    taken_over = (clipped_loss > unclipped_loss) & mask.bool()
+    return taken_over.sum().item() / mask.sum().item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +518,7 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), step_batch)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
-        prompt_ids, prompt_mask, completion_ids, mask = common.generate(
+        prompt_ids, prompt_mask, completion_ids, mask = generate(
             actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
         )  # [B, P], [B, P], [B, T], [B, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -406,9 +535,9 @@ def main(cfg: Config):
             for rows in micro_batches:
                 # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
                 # stays even with one epoch and one mini-batch (where the training pass recomputes them).
-                old_logprobs[rows] = common.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                old_logprobs[rows] = completion_logprobs(actor, input_ids[rows], attention_mask[rows], T, cfg.temperature)
                 with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
-                    ref_logprobs[rows] = common.completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                    ref_logprobs[rows] = completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T, cfg.temperature)
                 old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
             if reward_model is None:
                 score = rule_scores(completions, step_data["answer"]).to(device)  # [B]
@@ -435,7 +564,7 @@ def main(cfg: Config):
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
                     rows = idx[part]
                     t3 = time.perf_counter()
-                    micro_logprobs, entropy[part] = common.completion_logprobs(
+                    micro_logprobs, entropy[part] = completion_logprobs(
                         actor, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [b', T]
                     micro_actor_loss = ppo_actor_loss(micro_logprobs, old_logprobs[rows], advantages[rows], mask[rows],
                                                       cfg.cliprange, step_tokens)
@@ -458,12 +587,14 @@ def main(cfg: Config):
                     scheduler.step()
                 time_backward += time.perf_counter() - t4
                 with torch.no_grad():
-                    ratio = torch.exp(torch.where(mask[idx].bool(), logprobs - old_logprobs[idx], 0.0))
+                    ratio = torch.exp(torch.where(mask[idx].bool(), logprobs - old_logprobs[idx], 0.0))  # [b, T]
+                    A, R, old_v = advantages[idx], returns[idx], old_values[idx]  # [b, T] each
+                    clipped_ratio = torch.clamp(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange)
+                    clipped_values = torch.clamp(values, old_v - cfg.cliprange_value, old_v + cfg.cliprange_value)
                     stats["actor_loss"].append(actor_loss.item())
                     stats["critic_loss"].append(critic_loss.item())
-                    stats["actor_clip"].append(clip_fraction(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange, mask[idx]))
-                    stats["critic_clip"].append(clip_fraction(values - old_values[idx], -cfg.cliprange_value,
-                                                              cfg.cliprange_value, mask[idx]))
+                    stats["actor_clip"].append(clip_fraction(-A * ratio, -A * clipped_ratio, mask[idx]))
+                    stats["critic_clip"].append(clip_fraction((values - R) ** 2, (clipped_values - R) ** 2, mask[idx]))
                     stats["entropy"].append(masked_mean(entropy, mask[idx]).item())
 
         # 6. Logging: the reward model's score and, on the same completions, the rule-based truth.

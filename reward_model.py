@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common
+from common import setting
 
 
 @dataclass
@@ -39,53 +40,53 @@ class Config:
     finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each prompt (use the same as for sft.py and ppo.py)"""
-    max_steps: int = 300
+    max_steps: int = setting(300, lambda v: v >= 1, "at least 1")
     """optimizer steps"""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int = setting(32, lambda v: v >= 1, "at least 1")
     """preference pairs per forward pass (a micro-batch), per process (each pair is two sequences)"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
     (x processes); accumulation changes memory, not the result"""
-    learning_rate: float = 6e-4
+    learning_rate: float = setting(6e-4, lambda v: v > 0, "positive")
     """peak learning rate of AdamW"""
-    warmup_steps: int = 20
+    warmup_steps: int = setting(20, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = 0.1
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = 0.0
+    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm"""
-    policy_prompts: int = 500
+    policy_prompts: int = setting(500, lambda v: v >= 0, "0 or more")
     """prompts on which the --model policy samples answers that the checker labels, for extra pairs
     (0 = the shipped pairs only; needs <answer> tags in the chosen answers)"""
-    samples_per_prompt: int = 8
+    samples_per_prompt: int = setting(8, lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one")
     """policy samples per prompt; each wrong one is paired with a right one"""
-    max_completion_length: int = 64
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
     """max new tokens of a policy sample"""
-    max_length: int = 128
+    max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """pairs whose prompt + response is longer than this many tokens are dropped"""
-    eval_steps: int = 100
+    eval_steps: int = setting(100, lambda v: v >= 1, "at least 1")
     """evaluate held-out pairwise accuracy every this many steps"""
-    num_eval_examples: int = 500
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
     """held-out pairs per evaluation (0 = the whole test split)"""
-    per_device_eval_batch_size: int = 256
+    per_device_eval_batch_size: int = setting(256, lambda v: v >= 1, "at least 1")
     """pairs scored at once during evaluation (lower it for a large model)"""
-    logging_steps: int = 10
+    logging_steps: int = setting(10, lambda v: v >= 1, "at least 1")
     """write a metrics.jsonl line every this many steps"""
-    seed: int = 0
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = None
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
     """LoRA rank: train low-rank adapters (and the scalar head) instead of every weight; unset = full fine-tuning"""
-    lora_alpha: float = 16.0
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
     """dropout on the adapter's input"""
     lora_target_modules: str = "all-linear"
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
-    save_steps: int = 100
+    save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
     """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
@@ -131,11 +132,11 @@ def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_token
     policy.eval()
     pairs = {"prompt": [], "chosen": [], "rejected": []}
     for start in range(0, len(data), 64):
-        rows = data[start : start + 64]
-        prompts = [common.make_prompt(tokenizer, p, system_prompt) for p in rows["prompt"] for _ in range(samples_per_prompt)]
+        batch = data[start : start + 64]
+        prompts = [common.make_prompt(tokenizer, p, system_prompt) for p in batch["prompt"] for _ in range(samples_per_prompt)]
         *_, completion_ids, _ = common.generate(policy, tokenizer, prompts, max_new_tokens)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        for i, (prompt, chosen) in enumerate(zip(rows["prompt"], rows["chosen"])):
+        for i, (prompt, chosen) in enumerate(zip(batch["prompt"], batch["chosen"])):
             gold = common.extract_answer(chosen)
             samples = texts[i * samples_per_prompt : (i + 1) * samples_per_prompt]
             right = [t for t in samples if common.same_number(common.extract_answer(t), gold) and t.strip().endswith("</answer>")]

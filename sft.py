@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 import common
+from common import setting
 
 
 @dataclass
@@ -37,50 +38,50 @@ class Config:
     finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained)"""
-    max_steps: int = 700
+    max_steps: int = setting(700, lambda v: v >= 1, "at least 1")
     """optimizer steps"""
-    per_device_train_batch_size: int = 32
+    per_device_train_batch_size: int = setting(32, lambda v: v >= 1, "at least 1")
     """examples per forward pass (a micro-batch), per process"""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
     (x processes); accumulation changes memory, not the result"""
-    learning_rate: float = 2e-3
+    learning_rate: float = setting(2e-3, lambda v: v > 0, "positive")
     """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
-    warmup_steps: int = 30
+    warmup_steps: int = setting(30, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = 0.1
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = 0.01
+    weight_decay: float = setting(0.01, lambda v: v >= 0, "0 or more")
     """AdamW weight decay"""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm"""
-    max_completion_length: int = 64
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
     """max new tokens when evaluating (and the longest training answer kept)"""
-    eval_steps: int = 350
+    eval_steps: int = setting(350, lambda v: v >= 1, "at least 1")
     """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = 500
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
     """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = 4
+    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
     """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = 512
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
     """completions generated at once during evaluation (lower it for a large model)"""
     eval_on_start: bool = False
     """evaluate before the first step too (the starting model's accuracy)"""
-    logging_steps: int = 10
+    logging_steps: int = setting(10, lambda v: v >= 1, "at least 1")
     """write a metrics.jsonl line every this many steps"""
-    seed: int = 0
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = None
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
     """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model); unset = full fine-tuning"""
-    lora_alpha: float = 16.0
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = 0.0
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
     """dropout on the adapter's input"""
     lora_target_modules: str = "all-linear"
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
-    save_steps: int = 100
+    save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
     """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
@@ -112,11 +113,11 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
     <think>reasoning</think><answer>n</answer>), or a preference dataset's such as
     Dahoas/rm-static (prompt, chosen: SFT imitates the chosen response, note 000)."""
     if "question" in (data.column_names if hasattr(data, "column_names") else data):  # a Dataset, or a dict of columns
-        rows = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q, a in zip(data["question"], data["answer"])]
+        pairs = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q, a in zip(data["question"], data["answer"])]
     else:
-        rows = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]
+        pairs = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]
     examples = []
-    for question, answer in rows:
+    for question, answer in pairs:
         prompt = common.make_prompt(tokenizer, question, system_prompt)
         target = answer + tokenizer.eos_token
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -1,7 +1,6 @@
 """Hand-computed values and gradients for every contract function (sft, grpo, common)."""
 import math
 
-import pytest
 import torch
 
 import common

@@ -1,7 +1,6 @@
 """The math of classic RLHF (reward_model.py, ppo.py): hand-computed values, gradients, invariants."""
 import math
 
-import pytest
 import torch
 
 import common
@@ -187,3 +186,17 @@ def test_ppo_critic_loss_is_half_mse_inside_the_clip_range():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     expected = 0.5 * (((values - returns) ** 2) * mask).sum() / mask.sum()
     assert ppo.ppo_critic_loss(values, old_values, returns, mask, 0.2).item() == approx(expected.item(), terms=8)
+
+
+def test_ppo_clip_fraction_counts_the_tokens_that_lose_their_gradient():
+    """Actor: the ratio past 1 + eps with A > 0 counts; past 1 - eps with A > 0 does not (the
+    unclipped loss is the larger, so the gradient pulls it back). Critic: V moved more than c
+    toward the return counts; moved away from it does not. A padded token never counts."""
+    from ppo import clip_fraction
+    mask = torch.tensor([[1, 1, 1, 0]])
+    ratio, A = torch.tensor([[1.5, 0.5, 1.0, 1.5]]), torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    clipped_ratio = ratio.clamp(0.8, 1.2)
+    assert clip_fraction(-A * ratio, -A * clipped_ratio, mask) == 1 / 3
+    values, old_values, R = torch.tensor([[0.5, -0.5, 0.1, 0.5]]), torch.zeros(1, 4), torch.ones(1, 4)
+    clipped_values = values.clamp(old_values - 0.2, old_values + 0.2)
+    assert clip_fraction((values - R) ** 2, (clipped_values - R) ** 2, mask) == 1 / 3
