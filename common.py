@@ -74,7 +74,10 @@ def parse_config(config_class, args=None):
             kind = next(t for t in kind.__args__ if t is not type(None))
         kind = _to_bool if kind is bool else kind  # argparse's bool("False") would be True
         parser.add_argument(
-            f"--{field.name}", type=kind, default=field.default, help=f"{docs.get(field.name, '')} (default: %(default)s)"
+            f"--{field.name}",
+            type=kind,
+            default=field.default,
+            help=f"{docs.get(field.name, '')} (default: %(default)s)",
         )
     return config_class(**vars(parser.parse_args(args)))
 
@@ -301,7 +304,8 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     head = dict(num_labels=1, use_safetensors=True, trust_remote_code=trust_remote_code) if scalar_head else dict(
         use_safetensors=True, trust_remote_code=trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left", trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, padding_side="left",
+                                                  trust_remote_code=trust_remote_code)
         if is_adapter:  # the base model the adapter was trained on, with the adapter merged into its weights
             from peft import PeftConfig, PeftModel
 
@@ -487,7 +491,9 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
     Written whole into checkpoint.tmp, then renamed to checkpoint.new; check_finite promotes it
     to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
     checkpoint (newest_checkpoint finds it)."""
-    generators = {"python": random.getstate(), "numpy": [np.random.get_state()[1].tolist(), *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
+    generators = {"python": random.getstate(),
+                  "numpy": [np.random.get_state()[1].tolist(),
+                            *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
                   "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "data": rng.getstate()}
     if dist.is_initialized():  # every process draws its own samples: keep each one's generators
         all_generators = [None] * dist.get_world_size()
@@ -632,7 +638,9 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
                   (f"logits of one micro-batch ({rows} x {completion_length} x {c.vocab_size})",
                    2 * 4 * rows * completion_length * c.vocab_size)]
     lines = [f"  {name:<62} {size / 2**30:8.3f} GiB" for name, size in table]
-    lines.append(f"  {'total' if rows else 'total, before activations':<62} {sum(size for _, size in table) / 2**30:8.3f} GiB")
+    lines.append(
+        f"  {'total' if rows else 'total, before activations':<62} {sum(size for _, size in table) / 2**30:8.3f} GiB"
+    )
     return "memory estimate (note 002):\n" + "\n".join(lines)
 
 
@@ -736,11 +744,15 @@ def check_rows(records: list[dict], name: str, columns, labels: list[str]) -> li
     present = set().union(*records)
     for column in columns:
         if column not in present:
-            fail(f"{name} has no column {column!r} (it has {', '.join(dict.fromkeys(k for row in records for k in row))})")
+            fail(
+                f"{name} has no column {column!r} "
+                f"(it has {', '.join(dict.fromkeys(k for row in records for k in row))})"
+            )
     checks = [(column, COLUMN_CHECKS[column]) for column in columns if column in COLUMN_CHECKS]
     bad = []  # (row index, what is wrong)
     for index, row in enumerate(records):
-        problem = next((f"{column!r} {check(row.get(column))}" for column, check in checks if check(row.get(column))), None)
+        problem = next((f"{column!r} {check(row.get(column))}" for column, check in checks if check(row.get(column))),
+                       None)
         if problem is None and "rejected" in columns and row.get("chosen") == row["rejected"]:
             problem = "'chosen' and 'rejected' are the same text (the pair teaches nothing)"
         if problem:
@@ -802,8 +814,10 @@ def is_correct(completion: str, answer: str) -> bool:
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> (ids [B, P], mask [B, P]); prompts are left padded so that every
     row's completion starts at the same column P."""
-    ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id, padding_side="left")
-    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True, padding_side="left")
+    ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id,
+                       padding_side="left")
+    mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True,
+                        padding_side="left")
     return ids, mask
 
 
@@ -828,13 +842,15 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
+    # [B, max_new_tokens]
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with autocast(model):
         cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
         rows = torch.arange(len(prompts), device=device)  # the rows still writing
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        # [b, P + t], [b]: the last token's position
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1
         for t in range(max_new_tokens):
             next_logits = logits[:, -1].float()  # [b, V]
             if greedy:
@@ -846,11 +862,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             if t == max_new_tokens - 1 or not writing.any():
                 break
             if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                rows, next_tokens, attention_mask, positions = (
+                    rows[writing],
+                    next_tokens[writing],
+                    attention_mask[writing],
+                    positions[writing],
+                )
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
+                           position_ids=positions[:, None],
                            past_key_values=cache, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
     completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
@@ -886,7 +908,8 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
     mask = prompt_mask[first_row]  # [U, P]
-    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask,
+                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                 use_cache=True, logits_to_keep=1)
     out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
     return out.past_key_values, out.logits[row_to_prompt]
@@ -918,7 +941,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
+    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T,
+                                                                                             device=input_ids.device)
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
@@ -932,7 +956,8 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+        # one pass over prompt + completion
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -956,7 +981,8 @@ def last_hidden_states(model, input_ids, attention_mask):
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     transformer = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model  # peft wraps it
     with autocast(model):
-        return transformer(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state.float()
+        return transformer(input_ids=input_ids, attention_mask=attention_mask,
+                           position_ids=position_ids).last_hidden_state.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -986,8 +1012,10 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
         answers = [a for a in batch["answer"] for _ in range(samples_per_problem)]
         correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()
-    n, correct_greedy, correct_sampled = (int(global_sum(float(x))) for x in (len(dataset), correct_greedy, correct_sampled))
-    return {"accuracy_greedy": correct_greedy / n, "accuracy_sampled": correct_sampled / (n * samples_per_problem), "n": n}
+    n, correct_greedy, correct_sampled = (int(global_sum(float(x))) for x in (len(dataset), correct_greedy,
+                                                                              correct_sampled))
+    return {"accuracy_greedy": correct_greedy / n, "accuracy_sampled": correct_sampled / (n * samples_per_problem),
+            "n": n}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1051,7 +1079,10 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
     for flag, path in inputs.items():
         inside = os.path.realpath(path) + os.sep
         if path and os.path.exists(path) and inside.startswith(os.path.realpath(out) + os.sep):
-            fail(f"--output_dir {out} holds {flag} {path}: write the run to another folder (an input is never overwritten)")
+            fail(
+                f"--output_dir {out} holds {flag} {path}: "
+                "write the run to another folder (an input is never overwritten)"
+            )
     if cfg.resume and cfg.overwrite_output_dir:
         fail("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one of them")
     if not os.path.isdir(out):

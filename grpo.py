@@ -68,7 +68,8 @@ class Config:
     epsilon: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the ratio pi/pi_old: it is kept in [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)")
-    """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow); unset = epsilon"""
+    """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow);
+    unset = epsilon"""
     importance_sampling_level: str = "token"
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
@@ -107,8 +108,10 @@ class Config:
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy); unset = full fine-tuning"""
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
+                                 "a positive rank (leave it out to train every weight)")
+    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy);
+    unset = full fine-tuning"""
     lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -146,13 +149,15 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
+    # [B, max_new_tokens]
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with common.autocast(model):
         cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
         rows = torch.arange(len(prompts), device=device)  # the rows still writing
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        # [b, P + t], [b]: the last token's position
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1
         for t in range(max_new_tokens):
             next_logits = logits[:, -1].float()  # [b, V]
             if greedy:
@@ -164,11 +169,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             if t == max_new_tokens - 1 or not writing.any():
                 break
             if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                rows, next_tokens, attention_mask, positions = (
+                    rows[writing],
+                    next_tokens[writing],
+                    attention_mask[writing],
+                    positions[writing],
+                )
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
+                           position_ids=positions[:, None],
                            past_key_values=cache, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
     completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
@@ -196,7 +207,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
+    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T,
+                                                                                             device=input_ids.device)
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
@@ -210,7 +222,8 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with common.autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+        # one pass over prompt + completion
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -240,7 +253,8 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
     mask = prompt_mask[first_row]  # [U, P]
-    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask,
+                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                 use_cache=True, logits_to_keep=1)
     out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
     return out.past_key_values, out.logits[row_to_prompt]
@@ -412,8 +426,10 @@ def main(cfg: Config):
     run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per step
     if step_batch % cfg.num_generations:
-        common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({step_batch}) must be a multiple of "
-                    f"--num_generations ({cfg.num_generations})")
+        common.fail(
+            f"--per_device_train_batch_size x --gradient_accumulation_steps ({step_batch}) must be a multiple of "
+            f"--num_generations ({cfg.num_generations})"
+        )
     for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", ("group", "batch", "none")),
                           ("importance_sampling_level", ("token", "sequence"))):
         if getattr(cfg, name) not in choices:
@@ -430,11 +446,16 @@ def main(cfg: Config):
     if cfg.num_eval_examples:
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
     if len(train_data) < num_prompts:
-        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples")
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+        common.fail(
+            f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples"
+        )
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
+                                         trust_remote_code=cfg.trust_remote_code)
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]), cfg.system_prompt)
-    common.check_fits_context(model, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
+    longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]),
+                                    cfg.system_prompt)
+    common.check_fits_context(model, longest + cfg.max_completion_length,
+                              f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
@@ -450,7 +471,8 @@ def main(cfg: Config):
                                       gradient_checkpointing=cfg.gradient_checkpointing))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
-    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates, cfg.min_lr_rate)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates,
+                                              cfg.min_lr_rate)
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
 
     started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
@@ -513,23 +535,28 @@ def main(cfg: Config):
             for rows in micro_batches:
                 if cfg.beta > 0:
                     with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                        ref_logprobs[rows] = completion_logprobs(reference, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                        ref_logprobs[rows] = completion_logprobs(reference, input_ids[rows], attention_mask[rows], T,
+                                                                 cfg.temperature)
                 # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
                 if cfg.num_iterations > 1:
-                    old_logprobs[rows] = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                    old_logprobs[rows] = completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
+                                                             cfg.temperature)
 
         # 5. Policy updates on this batch.
         time_logprobs, time_backward = time.perf_counter() - t1, 0.0
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the step's loss
+            # [B*G, T] detached; the step's loss
+            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0
             for rows in micro_batches:
                 t2 = time.perf_counter()
-                micro_logprobs = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [b, T]
+                # [b, T]
+                micro_logprobs = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
                 old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
-                micro_loss = grpo_loss(micro_logprobs, old, ref_logprobs[rows] if cfg.beta > 0 else None, advantages[rows],
-                                       loss_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type, step_sequences, step_tokens,
-                                       cfg.epsilon_high, cfg.importance_sampling_level, cfg.max_completion_length)
+                ref = ref_logprobs[rows] if cfg.beta > 0 else None
+                micro_loss = grpo_loss(micro_logprobs, old, ref, advantages[rows], loss_mask[rows], cfg.epsilon,
+                                       cfg.beta, cfg.loss_type, step_sequences, step_tokens, cfg.epsilon_high,
+                                       cfg.importance_sampling_level, cfg.max_completion_length)
                 t3 = time.perf_counter()
                 micro_loss.backward()  # gradients add up over the micro-batches
                 logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
@@ -545,7 +572,8 @@ def main(cfg: Config):
 
         # 6. Logging (TRL's metric names where they exist).
         with torch.no_grad():
-            kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs), completion_mask).item() if cfg.beta > 0 else 0.0
+            kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs),
+                                          completion_mask).item() if cfg.beta > 0 else 0.0
             clipped = clip_fraction(logprobs, old, advantages, completion_mask, cfg.epsilon, cfg.epsilon_high,
                                     cfg.importance_sampling_level)
         group_std = rewards.view(-1, G).std(dim=1)  # [B]
@@ -569,15 +597,20 @@ def main(cfg: Config):
         }
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(run_dir, metrics)
-        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # what the policy wrote (rank 0's share)
+        # what the policy wrote (rank 0's share)
+        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
             common.log_completions(run_dir, step, prompts, completions, advantage=advantages.tolist(),
-                                   **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist() for i, f in enumerate(REWARD_FUNCS)})
+                                   **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist() for i,
+                                      f in enumerate(REWARD_FUNCS)})
         progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+        # after this step's evaluation: a resume repeats nothing
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:
+            common.save_training_state(run_dir, cfg, step,
+                                       {"initial": initial, "scores": scores,
+                                        "elapsed": time.perf_counter() - started}, **training_state)
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"

@@ -105,7 +105,8 @@ class Config:
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
+                                 "a positive rank (leave it out to train every weight)")
     """LoRA rank: adapters on actor and critic (pi_ref = the actor with its adapter off); unset = full fine-tuning"""
     lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
@@ -147,13 +148,15 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)  # [B, max_new_tokens]
+    # [B, max_new_tokens]
+    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with common.autocast(model):
         cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
         rows = torch.arange(len(prompts), device=device)  # the rows still writing
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last token's position
+        # [b, P + t], [b]: the last token's position
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1
         for t in range(max_new_tokens):
             next_logits = logits[:, -1].float()  # [b, V]
             if greedy:
@@ -165,11 +168,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             if t == max_new_tokens - 1 or not writing.any():
                 break
             if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, attention_mask, positions = rows[writing], next_tokens[writing], attention_mask[writing], positions[writing]
+                rows, next_tokens, attention_mask, positions = (
+                    rows[writing],
+                    next_tokens[writing],
+                    attention_mask[writing],
+                    positions[writing],
+                )
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=positions[:, None],
+            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
+                           position_ids=positions[:, None],
                            past_key_values=cache, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
     completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
@@ -197,7 +206,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T, device=input_ids.device)
+    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T,
+                                                                                             device=input_ids.device)
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
@@ -211,7 +221,8 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with common.autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):  # one pass over prompt + completion
+        # one pass over prompt + completion
+        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -241,7 +252,8 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
     mask = prompt_mask[first_row]  # [U, P]
-    out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
+    out = model(input_ids=prompt_ids[first_row], attention_mask=mask,
+                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
                 use_cache=True, logits_to_keep=1)
     out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
     return out.past_key_values, out.logits[row_to_prompt]
@@ -261,7 +273,8 @@ def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int)
     That state is everything before token t, whose last position is the one that predicts t (note
     003): the first state ends at the prompt's last token, the last at the token before the last
     one. So, like the log-probs, the values come from positions P-1 .. P+T-2."""
-    hidden = common.last_hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]  # [B, T, H]
+    # [B, T, H]
+    hidden = common.last_hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]
     return critic.score(hidden).squeeze(-1)
 
 
@@ -275,7 +288,8 @@ def reward_scores(reward_model, input_ids, attention_mask):
 
 
 @torch.no_grad()
-def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: int, system_prompt: str, batch_size=64) -> dict:
+def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: int, system_prompt: str,
+                   batch_size=64) -> dict:
     """Held-out evaluation when the data has no answers to check (prompts only, e.g. Dahoas/rm-static):
     the reward model's mean score of the actor's greedy completions. Only as trustworthy as the
     reward model (see the README's reward-hacking example)."""
@@ -448,10 +462,13 @@ def main(cfg: Config):
         test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
     if len(train_data) < step_batch:
         common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {step_batch} a step samples")
-    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", trust_remote_code=cfg.trust_remote_code)
+    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
+                                         trust_remote_code=cfg.trust_remote_code)
     common.check_system_prompt(actor, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]), cfg.system_prompt)
-    common.check_fits_context(actor, longest + cfg.max_completion_length, f"the longest prompt of {cfg.dataset} plus --max_completion_length")
+    longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]),
+                                    cfg.system_prompt)
+    common.check_fits_context(actor, longest + cfg.max_completion_length,
+                              f"the longest prompt of {cfg.dataset} plus --max_completion_length")
     if cfg.gradient_checkpointing:
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r is not None:  # LoRA: the actor is frozen, adapters are trained
@@ -461,10 +478,13 @@ def main(cfg: Config):
     # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
     reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
     if cfg.reward_model == "rule":
-        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]  # critic: fresh value head
+        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True,
+                                                       # critic: fresh value head
+                                                       trust_remote_code=cfg.trust_remote_code)[0]
     else:
         hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, trust_remote_code=cfg.trust_remote_code,
+        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True,
+                                         trust_remote_code=cfg.trust_remote_code,
                                          reward_model=True)[0]
         reward_model.to(device).eval().requires_grad_(False)
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
@@ -479,7 +499,8 @@ def main(cfg: Config):
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
     num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
-    schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates, cfg.min_lr_rate)
+    schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates,
+                                                cfg.min_lr_rate)
                   for opt in (actor_optimizer, critic_optimizer)]
     rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts
 
@@ -487,7 +508,8 @@ def main(cfg: Config):
 
     def evaluate(step):
         if not has_answers:
-            scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length, cfg.system_prompt)
+            scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length,
+                                    cfg.system_prompt)
             common.log_metrics(run_dir, {"step": step, "eval/score": scores["score"]})
             common.log(f"step {step}: held-out reward-model score of greedy completions {scores['score']:.3f}")
             return scores
@@ -501,7 +523,8 @@ def main(cfg: Config):
         return scores
 
     # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
-    training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer], schedulers=schedulers, rng=rng)
+    training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer],
+                          schedulers=schedulers, rng=rng)
     if cfg.resume:  # continue exactly where the last checkpoint stopped
         first_step, results = common.load_training_state(run_dir, **training_state)
         started -= results.get("elapsed", 0.0)
@@ -535,14 +558,17 @@ def main(cfg: Config):
             for rows in micro_batches:
                 # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
                 # stays even with one epoch and one mini-batch (where the training pass recomputes them).
-                old_logprobs[rows] = completion_logprobs(actor, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                old_logprobs[rows] = completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
+                                                         cfg.temperature)
                 with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
-                    ref_logprobs[rows] = completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                    ref_logprobs[rows] = completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T,
+                                                             cfg.temperature)
                 old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
             if reward_model is None:
                 score = rule_scores(completions, step_data["answer"]).to(device)  # [B]
             else:
-                score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows]) for rows in micro_batches])  # [B]
+                score = torch.cat([reward_scores(reward_model, input_ids[rows],
+                                                 attention_mask[rows]) for rows in micro_batches])  # [B]
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
             rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
             advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
@@ -559,7 +585,8 @@ def main(cfg: Config):
                 critic_optimizer.zero_grad(set_to_none=True)
                 # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
                 step_tokens = common.token_count(mask[idx])
-                logprobs, entropy, values = (torch.zeros(len(idx), T, device=device) for _ in range(3))  # [b, T], detached
+                # [b, T], detached
+                logprobs, entropy, values = (torch.zeros(len(idx), T, device=device) for _ in range(3))
                 actor_loss = critic_loss = 0.0
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
                     rows = idx[part]
@@ -575,13 +602,18 @@ def main(cfg: Config):
                     micro_actor_loss.backward()  # gradients add up over the micro-batches
                     micro_critic_loss.backward()
                     logprobs[part], values[part] = micro_logprobs.detach(), micro_values.detach()
-                    actor_loss, critic_loss = actor_loss + micro_actor_loss.detach(), critic_loss + micro_critic_loss.detach()
+                    actor_loss, critic_loss = (
+                        actor_loss + micro_actor_loss.detach(),
+                        critic_loss + micro_critic_loss.detach(),
+                    )
                     time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
                 t4 = time.perf_counter()
-                for loss, model, optimizer in ((actor_loss, actor, actor_optimizer), (critic_loss, critic, critic_optimizer)):
+                for loss, model, optimizer in ((actor_loss, actor, actor_optimizer),
+                                               (critic_loss, critic, critic_optimizer)):
                     common.average_gradients(model)  # DDP: the same update on every process
                     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+                    # NaN/inf: stop before the update
+                    common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)
                     optimizer.step()
                 for scheduler in schedulers:
                     scheduler.step()
@@ -625,17 +657,25 @@ def main(cfg: Config):
         common.log_metrics(run_dir, metrics)
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
             kl_coef = adaptive_kl_coef(kl_coef, metrics["kl"], cfg.target_kl, cfg.kl_horizon, len(prompts) * world_size)
-        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:  # what the policy wrote (rank 0's share)
+        # what the policy wrote (rank 0's share)
+        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
             common.log_completions(run_dir, step, prompts, completions, score=score.tolist(),
                                    reward=torch.where(mask.bool(), rewards, 0.0).sum(dim=1).tolist(),
                                    advantage=(advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist())
-        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}", kl=f"{kl:.2f}")
+        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}",
+                             kl=f"{kl:.2f}")
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(step)
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's evaluation: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step, {"initial": initial, "scores": scores, "kl_coef": kl_coef,
-                                                               "elapsed": time.perf_counter() - started}, **training_state)
+        # after this step's evaluation: a resume repeats nothing
+        if step % cfg.save_steps == 0 or step == cfg.max_steps:
+            common.save_training_state(
+                run_dir,
+                cfg,
+                step,
+                {"initial": initial, "scores": scores, "kl_coef": kl_coef, "elapsed": time.perf_counter() - started},
+                **training_state,
+            )
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
@@ -646,17 +686,23 @@ def main(cfg: Config):
     common.write_json(os.path.join(run_dir, "eval.json"), scores)
     png = common.plot_metrics(
         run_dir,
-        {"reward model score": ["score", "eval/score"], "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
+        {"reward model score": ["score", "eval/score"],
+         "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
          "kl to reference": ["kl"], "losses": ["loss/actor", "loss/critic"]},
         "PPO",
     )
     common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
     if has_answers:
-        common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
-                   f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
+        common.log(
+            f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
+            f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}"
+        )
     else:
-        common.log(f"saved model to {cfg.output_dir}; held-out reward-model score "
-                   f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
+        common.log(
+            f"saved model to {cfg.output_dir}; held-out reward-model score "
+            f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); "
+            f"curves in {os.path.join(cfg.output_dir, png)}"
+        )
     return actor
 
 

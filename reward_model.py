@@ -76,7 +76,8 @@ class Config:
     """write a metrics.jsonl line every this many steps"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
+                                 "a positive rank (leave it out to train every weight)")
     """LoRA rank: train low-rank adapters (and the scalar head) instead of every weight; unset = full fine-tuning"""
     lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
@@ -133,13 +134,15 @@ def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_token
     pairs = {"prompt": [], "chosen": [], "rejected": []}
     for start in range(0, len(data), 64):
         batch = data[start : start + 64]
-        prompts = [common.make_prompt(tokenizer, p, system_prompt) for p in batch["prompt"] for _ in range(samples_per_prompt)]
+        prompts = [common.make_prompt(tokenizer, p,
+                                      system_prompt) for p in batch["prompt"] for _ in range(samples_per_prompt)]
         *_, completion_ids, _ = common.generate(policy, tokenizer, prompts, max_new_tokens)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         for i, (prompt, chosen) in enumerate(zip(batch["prompt"], batch["chosen"])):
             gold = common.extract_answer(chosen)
             samples = texts[i * samples_per_prompt : (i + 1) * samples_per_prompt]
-            right = [t for t in samples if common.same_number(common.extract_answer(t), gold) and t.strip().endswith("</answer>")]
+            right = [t for t in samples if common.same_number(common.extract_answer(t),
+                                                              gold) and t.strip().endswith("</answer>")]
             for wrong in dict.fromkeys(t for t in samples if t not in right):  # distinct wrong samples
                 pairs["prompt"].append(prompt)
                 pairs["chosen"].append(right[0] if right else chosen)
@@ -151,8 +154,10 @@ def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int):
     """Each row -> (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs are dropped."""
     pairs = []
     for prompt, chosen, rejected in zip(data["prompt"], data["chosen"], data["rejected"]):
-        prompt_ids = tokenizer(common.make_prompt(tokenizer, prompt, system_prompt), add_special_tokens=False)["input_ids"]
-        chosen_ids, rejected_ids = (tokenizer(r + tokenizer.eos_token, add_special_tokens=False)["input_ids"] for r in (chosen, rejected))
+        prompt_ids = tokenizer(common.make_prompt(tokenizer, prompt, system_prompt),
+                               add_special_tokens=False)["input_ids"]
+        chosen_ids, rejected_ids = (tokenizer(r + tokenizer.eos_token,
+                                              add_special_tokens=False)["input_ids"] for r in (chosen, rejected))
         if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) <= max_length:
             pairs.append((prompt_ids, chosen_ids, rejected_ids))
     return pairs
@@ -211,7 +216,8 @@ def main(cfg: Config):
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
-    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]  # DDP: a share each
+    # DDP: a share each
+    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
     if len(train_pairs) < batch_size or not test_pairs:
         common.fail(f"{cfg.dataset} has {len(train_pairs)} training and {len(test_pairs)} held-out pairs that fit in "
@@ -252,7 +258,8 @@ def main(cfg: Config):
         first_step, results = 0, {"scores": None}
     scores = results["scores"]
 
-    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="reward model",
+    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
+                    desc="reward model",
                     dynamic_ncols=True, disable=not common.show_progress())
     for step in progress:
         t0 = time.perf_counter()
@@ -293,8 +300,10 @@ def main(cfg: Config):
                        "time/forward": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
         if step % cfg.eval_steps == 0 or step == cfg.max_steps:
             scores = evaluate(model, test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
-            metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"], "eval/margin": scores["margin"]})
-            message = f"step {step}: held-out pairwise accuracy {scores['pairwise_accuracy']:.1%}, margin {scores['margin']:.2f}"
+            metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"],
+                            "eval/margin": scores["margin"]})
+            message = (f"step {step}: held-out pairwise accuracy {scores['pairwise_accuracy']:.1%}, "
+                       f"margin {scores['margin']:.2f}")
             if policy_test_pairs:
                 on_policy = evaluate(model, policy_test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
                 scores["policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]

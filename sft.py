@@ -30,7 +30,8 @@ class Config:
     model: str = "tiny"
     """'tiny' builds the embedded ~1M-parameter model from scratch; else a local folder or hub id"""
     dataset: str = "data/demos"
-    """a folder with train.jsonl / test.jsonl, or a hub dataset: GSM8K's schema (openai/gsm8k) or prompt/chosen (Dahoas/rm-static)"""
+    """a folder with train.jsonl / test.jsonl, or a hub dataset: GSM8K's schema (openai/gsm8k) or prompt/chosen
+    (Dahoas/rm-static)"""
     output_dir: str = "out/sft"
     """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
     overwrite_output_dir: bool = False
@@ -71,8 +72,10 @@ class Config:
     """write a metrics.jsonl line every this many steps"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1, "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model); unset = full fine-tuning"""
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
+                                 "a positive rank (leave it out to train every weight)")
+    """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model);
+    unset = full fine-tuning"""
     lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
     """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
     lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
@@ -113,7 +116,8 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
     <think>reasoning</think><answer>n</answer>), or a preference dataset's such as
     Dahoas/rm-static (prompt, chosen: SFT imitates the chosen response, note 000)."""
     if "question" in (data.column_names if hasattr(data, "column_names") else data):  # a Dataset, or a dict of columns
-        pairs = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q, a in zip(data["question"], data["answer"])]
+        pairs = [(q, common.format_completion(*common.split_gsm8k_answer(a))) for q,
+                 a in zip(data["question"], data["answer"])]
     else:
         pairs = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]
     examples = []
@@ -142,7 +146,9 @@ def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
     model.eval()
     total = count = 0.0
     for start in range(0, len(examples), batch_size):
-        input_ids, attention_mask, answer_mask = (x.to(model.device) for x in collate(examples[start : start + batch_size], pad_id))
+        input_ids, attention_mask, answer_mask = (
+            x.to(model.device) for x in collate(examples[start : start + batch_size], pad_id)
+        )
         logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
         total, count = total - (logprobs * answer_mask).sum().item(), count + answer_mask.sum().item()
     model.train()
@@ -168,7 +174,9 @@ def main(cfg: Config):
     # model: the embedded tiny one from scratch, or a pretrained one
     if cfg.model == "tiny":
         if cfg.lora_r is not None:
-            common.fail("--lora_r needs a pretrained --model: the tiny model starts from random weights, so train all of them")
+            common.fail(
+                "--lora_r needs a pretrained --model: the tiny model starts from random weights, so train all of them"
+            )
         tokenizer = common.build_tokenizer()
         model = common.build_tiny_model(tokenizer)
     else:
@@ -191,7 +199,8 @@ def main(cfg: Config):
     num_params = sum(p.numel() for p in model.parameters())
     common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
                f"{world_size} process(es)\n" + common.memory_estimate(
-                   [model], rows=cfg.per_device_train_batch_size, sequence_length=max(len(p) + len(a) for p, a in examples),
+                   [model], rows=cfg.per_device_train_batch_size, sequence_length=max(len(p) + len(a) for p,
+                                                                                      a in examples),
                    completion_length=max(len(a) for _, a in examples)))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -258,7 +267,9 @@ def main(cfg: Config):
                        "learning_rate": scheduler.get_last_lr()[0],
                        "time/logprobs": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
         if (step % cfg.eval_steps == 0 or step == cfg.max_steps) and not has_answers:
-            scores = held_out_loss(model, tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length),
+            scores = held_out_loss(model,
+                                   tokenize_examples(tokenizer, test_data, cfg.system_prompt,
+                                                     cfg.max_completion_length),
                                    tokenizer.pad_token_id)
             metrics.update({"step": step, "eval/loss": scores["loss"]})
             common.log(f"step {step}: held-out loss {scores['loss']:.3f}")
@@ -270,15 +281,24 @@ def main(cfg: Config):
         if metrics:
             common.log_metrics(run_dir, common.reduce_metrics(metrics))
         if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step, {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
+            common.save_training_state(run_dir, cfg, step,
+                                       {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
 
     common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
     common.write_json(os.path.join(run_dir, "eval.json"), scores)
-    png = common.plot_metrics(run_dir, {"loss": ["loss", "eval/loss"], "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
+    png = common.plot_metrics(run_dir,
+                              {"loss": ["loss", "eval/loss"],
+                               "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
     common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
-    result = (f"accuracy greedy {scores['accuracy_greedy']:.1%}, sampled {scores['accuracy_sampled']:.1%}" if has_answers
-              else f"loss {scores['loss']:.3f}")
-    common.log(f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
+    result = (
+        f"accuracy greedy {scores['accuracy_greedy']:.1%}, sampled {scores['accuracy_sampled']:.1%}"
+        if has_answers
+        else f"loss {scores['loss']:.3f}"
+    )
+    common.log(
+        f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); "
+        f"curves in {os.path.join(cfg.output_dir, png)}"
+    )
     return model
 
 

@@ -57,9 +57,12 @@ def main():
         steps = [row for row in rows if "frac_reward_zero_std" in row]
         zero_std = sum(row["frac_reward_zero_std"] for row in steps) / len(steps)
         sampled = " -> ".join(f"{100 * row['eval/accuracy_sampled']:.1f}" for row in evals)
-        print(f"| {name} | `{' '.join(VARIANTS[name][0]) or '(none)'}` | {VARIANTS[name][1]} | {sampled} | "
-              f"{100 * evals[-1]['eval/accuracy_greedy']:.1f} | {evals[-1]['time/elapsed'] / 60:.1f} | {zero_std:.2f} |")
-    subprocess.run([sys.executable, "docs/compare_runs.py", *(f"{n}={os.path.join(args.output_dir, n)}" for n in args.only),
+        print(
+            f"| {name} | `{' '.join(VARIANTS[name][0]) or '(none)'}` | {VARIANTS[name][1]} | {sampled} | "
+            f"{100 * evals[-1]['eval/accuracy_greedy']:.1f} | {evals[-1]['time/elapsed'] / 60:.1f} | {zero_std:.2f} |"
+        )
+    subprocess.run([sys.executable, "docs/compare_runs.py",
+                    *(f"{n}={os.path.join(args.output_dir, n)}" for n in args.only),
                     "--title", "GRPO variants from the same out/sft and seed (2-core CPU)", "--output", args.figure],
                    cwd=ROOT, check=True)
 

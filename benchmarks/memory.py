@@ -32,7 +32,8 @@ def measure(model, accumulation, args, workdir) -> dict:
     per_device = args.completions // accumulation
     code = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
             "print('PEAK_KB', next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')))")
-    command = [sys.executable, "-c", code, "grpo.py", "--model", model, "--output_dir", os.path.join(workdir, str(accumulation)),
+    command = [sys.executable, "-c", code, "grpo.py", "--model", model, "--output_dir",
+               os.path.join(workdir, str(accumulation)),
                "--max_steps", str(args.steps), "--num_generations", str(args.completions // args.prompts),
                "--per_device_train_batch_size", str(per_device), "--gradient_accumulation_steps", str(accumulation),
                "--max_completion_length", str(args.max_completion_length), "--eval_on_start", "false",
@@ -49,7 +50,8 @@ def measure(model, accumulation, args, workdir) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="policy to start from (default: SmolLM2-135M-Instruct's .gguf)")
-    parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 8], help="gradient_accumulation_steps to compare")
+    parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 8],
+                        help="gradient_accumulation_steps to compare")
     parser.add_argument("--completions", type=int, default=64, help="completions per step")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (completions / prompts = the group)")
     parser.add_argument("--max_completion_length", type=int, default=128)
@@ -61,7 +63,10 @@ def main():
     print(f"GRPO, {args.completions} completions x <= {args.max_completion_length} tokens, {args.steps} steps, {model}")
     print("| accumulation | micro-batch | peak RSS | predicted (memory_estimate) |\n| --- | --- | --- | --- |")
     for row in rows:
-        print(f"| {row['accumulation']} | {row['micro_batch']} | {row['peak_gib']:.1f} GiB | {row['predicted_gib']:.1f} GiB |")
+        print(
+            f"| {row['accumulation']} | {row['micro_batch']} | {row['peak_gib']:.1f} GiB | "
+            f"{row['predicted_gib']:.1f} GiB |"
+        )
 
 
 if __name__ == "__main__":

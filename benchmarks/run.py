@@ -56,7 +56,8 @@ def run(name, steps, workdir, extra=()):
     if script.startswith("benchmarks/"):
         args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json"), *extra]
     else:  # a short run: evaluate a few problems only, checkpoint once at the end
-        args = ["--max_steps", str(steps), "--output_dir", out, "--overwrite_output_dir", "true", "--num_eval_examples", "8", "--eval_steps", str(steps),
+        args = ["--max_steps", str(steps), "--output_dir", out, "--overwrite_output_dir", "true",
+                "--num_eval_examples", "8", "--eval_steps", str(steps),
                 "--save_steps", str(steps), *(["--eval_on_start", "false", *extra] if extra else [])]
     start = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
@@ -64,7 +65,8 @@ def run(name, steps, workdir, extra=()):
     measured = {"wall_s": time.perf_counter() - start, **json.load(open(result_file))}
     if script.startswith("benchmarks/"):
         trl = json.load(open(os.path.join(workdir, "trl.json")))
-        return {**measured, "step": trl["step_times"][1:], "length": trl["completion_length"][1:]}  # warm-up step left out
+        # warm-up step left out
+        return {**measured, "step": trl["step_times"][1:], "length": trl["completion_length"][1:]}
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
     return {**measured, "step": [r["time/step"] for r in rows], "length": [r["completion_length"] for r in rows],
@@ -75,13 +77,20 @@ def summary(name, runs, per_step=None):
     """Medians over every measured step of every round of one script (per_step: completions per step)."""
     every = {key: [x for r in runs for x in r[key]] for key in runs[0] if isinstance(runs[0][key], list)}
     seconds, per_step = statistics.median(every["step"]), per_step or RUNS[name][1]
-    return {"name": name, "step_s": seconds, "steps_measured": len(every["step"]),
-            **{part: statistics.median(every[part]) for part in ("generation", "logprobs", "backward") if part in every},
-            "completions_per_s": per_step / seconds, "tokens_per_s": statistics.mean(every["length"]) * per_step / seconds,
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "wall_s": sum(r["wall_s"] for r in runs)}
+    return {
+        "name": name,
+        "step_s": seconds,
+        "steps_measured": len(every["step"]),
+        **{part: statistics.median(every[part]) for part in ("generation", "logprobs", "backward") if part in every},
+        "completions_per_s": per_step / seconds,
+        "tokens_per_s": statistics.mean(every["length"]) * per_step / seconds,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
+        "wall_s": sum(r["wall_s"] for r in runs),
+    }
 
 
-CHAIN = ["sft.py", "reward_model.py", "ppo.py", "grpo.py", "mix.py"]  # the README's order; each reads out/sft (and out/rm)
+# the README's order; each reads out/sft (and out/rm)
+CHAIN = ["sft.py", "reward_model.py", "ppo.py", "grpo.py", "mix.py"]
 
 
 def run_chain(workdir):
@@ -89,10 +98,13 @@ def run_chain(workdir):
     results, result_file = [], os.path.join(workdir, "rss.json")
     for script in CHAIN:
         start = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--child", script, result_file, "--overwrite_output_dir", "true"], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, __file__, "--child", script, result_file, "--overwrite_output_dir", "true"],
+                       cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         results.append({"name": script, "wall_s": time.perf_counter() - start, **json.load(open(result_file)),
-                        "eval": json.load(open(os.path.join(ROOT, "out", script.replace(".py", "").replace("reward_model", "rm"), "eval.json")))})
+                        "eval": json.load(open(os.path.join(ROOT, "out",
+                                                            script.replace(".py", "").replace("reward_model",
+                                                                                              "rm"), "eval.json")))})
         print(f"  {script}: {results[-1]['wall_s']:.0f} s, peak RSS {results[-1]['peak_rss_mb']:.0f} MB", flush=True)
     print("\n| script | wall time (s) | peak RSS (MB) |\n|---|---|---|")
     for r in results:
@@ -106,9 +118,11 @@ def main():
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (the first is a warm-up)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each script, interleaved; medians over all")
     parser.add_argument("--only", nargs="*", default=list(RUNS), help=f"a subset of: {', '.join(RUNS)}")
-    parser.add_argument("--chain", action="store_true", help="instead: time the whole default chain (sft.py ... mix.py)")
+    parser.add_argument("--chain", action="store_true",
+                        help="instead: time the whole default chain (sft.py ... mix.py)")
     parser.add_argument("--figure", default="docs/compare.png", help="with --chain: where the accuracy figure goes")
-    parser.add_argument("--output", default=None, help="the table as JSON (default out/bench/results.json or chain.json)")
+    parser.add_argument("--output", default=None,
+                        help="the table as JSON (default out/bench/results.json or chain.json)")
     parser.add_argument("--model", default=None, help="compare grpo.py and TRL on this model (a folder or a .gguf) "
                                                       "instead of out/sft; grpo.py settings may follow `--`")
     args, extra = parser.parse_known_args()
@@ -128,7 +142,10 @@ def main():
           f"torch {torch.__version__} ({torch.get_num_threads()} threads), python {platform.python_version()}")
     os.makedirs(os.path.join(ROOT, "out/bench"), exist_ok=True)
     if not args.chain and not args.model and not os.path.isfile(os.path.join(ROOT, "out/sft/config.json")):
-        sys.exit("error: the runs start from out/sft (and ppo.py from out/rm): run `python sft.py && python reward_model.py` first")
+        sys.exit(
+            "error: the runs start from out/sft (and ppo.py from out/rm): "
+            "run `python sft.py && python reward_model.py` first"
+        )
     if not args.chain and "TRL GRPOTrainer" in args.only and importlib.util.find_spec("trl") is None:
         sys.exit("error: trl is not installed: `pip install -r benchmarks/requirements.txt`, or leave it out with "
                  "--only ppo.py grpo.py mix.py")
@@ -138,8 +155,23 @@ def main():
         with open(args.output or os.path.join(ROOT, "out/bench/chain.json"), "w") as f:
             json.dump(results, f, indent=1)
         print()  # and the figure of held-out accuracy vs step and vs wall-clock, from the runs' metrics.jsonl
-        subprocess.run([sys.executable, "docs/compare_runs.py", "SFT=out/sft", "PPO=out/ppo", "GRPO=out/grpo", "MIX=out/mix", "--pipeline",
-                        "--title", "held-out accuracy, default runs, seed 0", "--output", args.figure], cwd=ROOT, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "docs/compare_runs.py",
+                "SFT=out/sft",
+                "PPO=out/ppo",
+                "GRPO=out/grpo",
+                "MIX=out/mix",
+                "--pipeline",
+                "--title",
+                "held-out accuracy, default runs, seed 0",
+                "--output",
+                args.figure,
+            ],
+            cwd=ROOT,
+            check=True,
+        )
         return
     runs = {name: [] for name in args.only}
     with tempfile.TemporaryDirectory() as workdir:
@@ -151,11 +183,17 @@ def main():
     results = [summary(name, runs[name], per_step) for name in args.only]
 
     dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
-    print("\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s | peak RSS (MB) |")
+    print(
+        "\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s "
+        "| peak RSS (MB) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'logprobs')} | {dash(r, 'backward')} "
-              f"| {r['completions_per_s']:.3g} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+        print(
+            f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'logprobs')} "
+            f"| {dash(r, 'backward')} "
+            f"| {r['completions_per_s']:.3g} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |"
+        )
     by_name = {r["name"]: r for r in results}
     if "grpo.py" in by_name and "TRL GRPOTrainer" in by_name:
         ratio = by_name["grpo.py"]["completions_per_s"] / by_name["TRL GRPOTrainer"]["completions_per_s"]

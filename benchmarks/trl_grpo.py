@@ -49,7 +49,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--result", default=None, help="write the measured figures to this JSON file")
     args, grpo_args = parser.parse_known_args()
-    ours = common.parse_config(grpo.Config, ["--max_steps", "6", "--output_dir", "out/bench/trl", *grpo_args])  # the settings to copy
+    # the settings to copy
+    ours = common.parse_config(grpo.Config, ["--max_steps", "6", "--output_dir", "out/bench/trl", *grpo_args])
 
     model, tokenizer = common.load_model(ours.model, missing_hint="run `python sft.py` first")
     if ours.model.endswith(".gguf"):  # TRL loads its reference model from the policy's path: give it a folder

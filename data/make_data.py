@@ -163,14 +163,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--digits", type=int, default=2, help="digits per operand")
     p.add_argument("--ops", default="+-", help="operations to draw from, any of '+-'")
-    p.add_argument("--careless", type=float, default=0.35, help="fraction of demonstrations with a forgotten carry/borrow/minus sign")
+    p.add_argument("--careless", type=float, default=0.35,
+                   help="fraction of demonstrations with a forgotten carry/borrow/minus sign")
     p.add_argument("--n_demos", type=int, default=6000, help="SFT demonstrations (data/demos/train.jsonl)")
     p.add_argument("--n_train", type=int, default=4000, help="RL problems (data/arithmetic/train.jsonl)")
     p.add_argument("--n_pairs", type=int, default=3000, help="reward-model pairs (data/preference/train.jsonl)")
     p.add_argument("--n_expert", type=int, default=2000, help="MIX expert demonstrations (data/expert.jsonl)")
     p.add_argument("--n_test", type=int, default=500, help="held-out test problems (both folders' test.jsonl)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)), help="folder for demos/, arithmetic/, preference/ and expert.jsonl")
+    p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)),
+                   help="folder for demos/, arithmetic/, preference/ and expert.jsonl")
     args = p.parse_args()
     if not set(args.ops) <= set("+-") or not args.ops:
         p.error("--ops takes a non-empty mix of '+' and '-'")

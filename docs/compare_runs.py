@@ -50,9 +50,12 @@ def main():
                            marker="o", color=color, label=label)
         first, last = evals[0], evals[-1]
         minutes = f"{last['time/elapsed'] / 60:9.1f}" if "time/elapsed" in last else f"{'-':>9}"
-        print(f"{label:<22}{last['step']:>6}{minutes}   "
-              f"{100 * first['eval/accuracy_sampled']:.1f} / {100 * first['eval/accuracy_greedy']:.1f} (step {first['step']})"
-              f" -> {100 * last['eval/accuracy_sampled']:.1f} / {100 * last['eval/accuracy_greedy']:.1f}")
+        print(
+            f"{label:<22}{last['step']:>6}{minutes}   "
+            f"{100 * first['eval/accuracy_sampled']:.1f} / {100 * first['eval/accuracy_greedy']:.1f} "
+            f"(step {first['step']})"
+            f" -> {100 * last['eval/accuracy_sampled']:.1f} / {100 * last['eval/accuracy_greedy']:.1f}"
+        )
     for ax_row, name in zip(axes, KEYS.values()):
         ax_row[0].set_ylabel(f"{name}, %")
         xlabels = ("training step (SFT, then RL)", "wall-clock minutes (SFT, then RL)") if args.pipeline else \

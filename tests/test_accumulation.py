@@ -1,4 +1,6 @@
-"""Gradient accumulation (--gradient_accumulation_steps) in grpo.py, mix.py and ppo.py: it changes memory, not the result."""
+"""Gradient accumulation (--gradient_accumulation_steps) in grpo.py, mix.py and ppo.py: it changes memory,
+not the result."""
+
 import os
 
 import pytest
@@ -13,7 +15,8 @@ from floats import assert_close, tolerance
 
 
 def _rollout(seed=0, B=8, T=7):
-    """logprobs [B, T] as leaf tensors, old / ref log-probs, advantages [B] and completions of very different lengths."""
+    """logprobs [B, T] as leaf tensors, old / ref log-probs, advantages [B] and completions of very
+    different lengths."""
     g = torch.Generator().manual_seed(seed)
     logprobs = (-torch.rand(B, T, generator=g) - 0.1).requires_grad_(True)
     old = logprobs.detach() + 0.2 * torch.randn(B, T, generator=g)

@@ -51,7 +51,8 @@ def test_tokenizer_round_trip_through_autotokenizer(saved_tiny):
     assert reloaded.chat_template == tokenizer.chat_template
     # load_model (what the RL scripts call) gives the same tokenizer
     _, loaded = common.load_model(str(path))
-    assert loaded(TEXTS[1], add_special_tokens=False)["input_ids"] == tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+    assert loaded(TEXTS[1], add_special_tokens=False)["input_ids"] == tokenizer(TEXTS[1],
+                                                                                add_special_tokens=False)["input_ids"]
 
 
 def test_format_tags_are_single_tokens_and_survive_decoding():
@@ -64,7 +65,8 @@ def test_format_tags_are_single_tokens_and_survive_decoding():
 
 def test_chat_template():
     tokenizer = common.build_tokenizer()
-    assert common.make_prompt(tokenizer, "What is 1 + 2?") == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    assert common.make_prompt(tokenizer,
+                              "What is 1 + 2?") == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     with_system = common.make_prompt(tokenizer, "Q", system_prompt="S")
     assert with_system == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 

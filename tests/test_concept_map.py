@@ -76,10 +76,12 @@ REQUIRED_CONCEPTS = [
 REQUIRED_FUNCTIONS = {
     "sft.py": ["sft_loss", "main"],
     "reward_model.py": ["preference_loss", "sequence_scores", "main"],
-    "ppo.py": ["compute_rewards", "gae", "whiten", "ppo_actor_loss", "ppo_critic_loss", "critic_values", "reward_scores", "main"],
-    "grpo.py": ["group_advantages", "kl_k3", "grpo_loss", "correctness_reward", "format_reward", "main"],
+    "ppo.py": ["compute_rewards", "gae", "whiten", "ppo_actor_loss", "ppo_critic_loss", "critic_values",
+               "reward_scores", "main"],
+    "grpo.py": ["generate", "completion_logprobs", "group_advantages", "kl_k3", "grpo_loss", "correctness_reward",
+                "format_reward", "main"],
     "mix.py": ["mix_loss", "sft_loss", "load_expert_examples", "append_rows", "main"],
-    "common.py": ["generate", "completion_logprobs", "reference_model", "memory_estimate", "add_lora", "setup_distributed"],
+    "common.py": ["reference_model", "memory_estimate", "add_lora", "setup_distributed"],
 }
 
 WHERE = re.compile(
@@ -167,7 +169,11 @@ def step_range(lines, node, step: str):
     for k, (line, name) in enumerate(comments):
         if name != step:
             continue
-        blocks = [n for n in ast.walk(node) if isinstance(n, ast.stmt) and hasattr(n, "body") and n.lineno < line <= n.end_lineno]
+        blocks = [
+            n
+            for n in ast.walk(node)
+            if isinstance(n, ast.stmt) and hasattr(n, "body") and n.lineno < line <= n.end_lineno
+        ]
         last = max(blocks, key=lambda n: n.lineno).end_lineno
         following = [i for i, other in comments[k + 1 :] if other != step]
         if following:
@@ -306,5 +312,6 @@ def test_the_table_covers_the_notes():
                if not any(re.search(pattern, concept, re.IGNORECASE) for concept in concepts)]
     fail_if(missing, "no row's Concept covers:")
     cited = {(m["path"], m["name"]) for _, cells in rows if len(cells) == 4 and (m := WHERE.match(cells[2]))}
-    uncited = [f"{path} `{name}`" for path, names in REQUIRED_FUNCTIONS.items() for name in names if (path, name) not in cited]
+    uncited = [f"{path} `{name}`" for path,
+               names in REQUIRED_FUNCTIONS.items() for name in names if (path, name) not in cited]
     fail_if(uncited, "no row's Where cell points at:")

@@ -71,7 +71,8 @@ def test_shipped_data_schema_splits_and_truth():
 
 
 def test_make_data_is_deterministic(tmp_path):
-    subprocess.run([sys.executable, "data/make_data.py", "--out", str(tmp_path)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "data/make_data.py", "--out", str(tmp_path)], cwd=ROOT, check=True,
+                   capture_output=True)
     for name in ("demos/train.jsonl", "demos/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl"):
         with open(tmp_path / name) as a, open(os.path.join(ROOT, "data", name)) as b:
             assert a.read() == b.read(), name

@@ -1,5 +1,6 @@
 """The GRPO family as options of grpo.py (TRL's names): each changes only what it names, each is
 checked on a hand-computed example, and the defaults give today's loss bit for bit."""
+
 import json
 import math
 import os
@@ -60,7 +61,8 @@ def test_scale_rewards_hand_computed():
     rewards = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 6.0])  # three groups of 2
     assert grpo.group_advantages(rewards, 2, "none").tolist() == [-1.0, 1.0, 0.0, 0.0, -2.0, 2.0]
     group = grpo.group_advantages(rewards, 2, "group")  # each group's std: sqrt(2), 0, sqrt(8)
-    assert group.tolist() == approx([-1 / (2**0.5 + 1e-4), 1 / (2**0.5 + 1e-4), 0, 0, -2 / (8**0.5 + 1e-4), 2 / (8**0.5 + 1e-4)])
+    assert group.tolist() == approx([-1 / (2**0.5 + 1e-4), 1 / (2**0.5 + 1e-4), 0, 0, -2 / (8**0.5 + 1e-4),
+                                     2 / (8**0.5 + 1e-4)])
     std = math.sqrt(sum((r - 2.0) ** 2 for r in rewards.tolist()) / 5)  # the whole batch: mean 2, unbiased std
     batch_scaled = grpo.group_advantages(rewards, 2, "batch")
     assert batch_scaled.tolist() == approx([c / (std + 1e-4) for c in (-1.0, 1.0, 0.0, 0.0, -2.0, 2.0)])
@@ -80,7 +82,8 @@ def test_dr_grpo_divides_by_a_constant_and_bnpo_by_the_micro_batch_tokens():
     bnpo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "bnpo", 6, None) for p in parts)
     means = [old_grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo") for p in parts]
     assert_close(bnpo, sum(means) / 2, terms=20)
-    dapo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo", 6, mask.sum()) for p in parts)
+    dapo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo", 6,
+                              mask.sum()) for p in parts)
     assert_close(dapo, old_grpo_loss(logprobs, old, ref, A, mask, 0.2, 0.04, "dapo"), terms=20)
     assert abs(float(bnpo - dapo)) > 1e-3  # they are different losses
 
@@ -109,7 +112,8 @@ def test_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios():
     old, mask = torch.zeros(2, 3), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     ratio = grpo.importance_ratio(logprobs, old, mask, "sequence")
     assert ratio.shape == (2, 1) and ratio.flatten().tolist() == approx([math.exp(0.2), math.exp(0.2)])
-    # GSPO's clip acts on the whole completion: ratio exp(0.2) = 1.22 > 1 + 0.2, A > 0: both its tokens lose their gradient
+    # GSPO's clip acts on the whole completion: ratio exp(0.2) = 1.22 > 1 + 0.2, A > 0:
+    # both its tokens lose their gradient
     A = torch.tensor([1.0, -1.0])
     lp = logprobs.clone().requires_grad_()
     grpo.grpo_loss(lp, old, None, A, mask, 0.2, 0.0, importance_sampling_level="sequence").backward()
@@ -130,7 +134,8 @@ def test_the_shared_functions_are_the_same_in_mix():
 def test_mix_sft_term_follows_the_loss_type():
     logprobs, _, _, _, mask = batch()
     nll_sum = float(torch.where(mask.bool(), -logprobs, 0.0).sum())
-    assert mix.sft_loss(logprobs, mask, "dr_grpo", max_completion_length=8).item() == approx(nll_sum / (6 * 8), terms=20)
+    assert mix.sft_loss(logprobs, mask, "dr_grpo", max_completion_length=8).item() == approx(nll_sum / (6 * 8),
+                                                                                             terms=20)
     assert torch.equal(mix.sft_loss(logprobs, mask, "bnpo"), mix.sft_loss(logprobs, mask, "dapo"))
 
 
@@ -168,9 +173,24 @@ def test_grpo_completions_jsonl_holds_what_was_trained_on(sft_checkpoint, tmp_pa
 
 
 def test_mix_and_ppo_write_completions_jsonl(sft_checkpoint, tmp_path):
-    run_main("mix.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path / "mix"), *SHORT, "--log_completions_steps", "2")
-    run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", "rule", "--output_dir", str(tmp_path / "ppo"),
-             *SHORT[:6], "--per_device_train_batch_size", "16", "--eval_on_start", "false", "--log_completions_steps", "1")
+    run_main("mix.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path / "mix"), *SHORT,
+             "--log_completions_steps", "2")
+    run_main(
+        "ppo.py",
+        "--model",
+        sft_checkpoint,
+        "--reward_model",
+        "rule",
+        "--output_dir",
+        str(tmp_path / "ppo"),
+        *SHORT[:6],
+        "--per_device_train_batch_size",
+        "16",
+        "--eval_on_start",
+        "false",
+        "--log_completions_steps",
+        "1",
+    )
     with open(tmp_path / "mix" / "completions.jsonl") as f:
         mix_rows = [json.loads(line) for line in f]
     assert len(mix_rows) == 24 and {row["step"] for row in mix_rows} == {2}  # the 24 rollouts, not the 8 expert rows

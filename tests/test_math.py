@@ -151,7 +151,8 @@ def test_padding_junk_does_not_leak_into_value_or_gradient():
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     advantages, ref = torch.randn(3), torch.randn(3, 5)
     junk = clean.clone()
-    junk[mask == 0] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, float("nan"), 7.0, -3.0])[: int((mask == 0).sum())]
+    junk[mask == 0] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, float("nan"), 7.0,
+                                    -3.0])[: int((mask == 0).sum())]
     results = []
     for values in (clean, junk):
         logprobs = values.clone().requires_grad_(True)

@@ -105,7 +105,8 @@ def test_append_rows_keeps_the_rollout_layout():
     p_ids, p_mask, c_ids, c_mask = mix.append_rows(*common.pad_left([rollout[0]], tokenizer.pad_token_id),
                                                    *common.pad_right([rollout[1]], tokenizer.pad_token_id),
                                                    [expert], tokenizer.pad_token_id)
-    both = common.completion_logprobs(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1), c_ids.shape[1])
+    both = common.completion_logprobs(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
+                                      c_ids.shape[1])
     assert_close(both[1], alone[0], terms=forward_terms(model.config))  # another batch: other padding
 
 
@@ -148,7 +149,8 @@ def test_expert_data_is_correct_and_disjoint_from_sft_and_test_problems():
 def test_mix_is_grpo_plus_the_expert_term():
     """Every line of grpo.py's functions that mix.py shares is the same, letter for letter."""
     import inspect
-    for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "drop_truncated", "importance_ratio",
+    for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "drop_truncated",
+                 "importance_ratio",
                  "grpo_loss", "masked_mean_per_sequence", "clip_fraction"):
         assert inspect.getsource(getattr(mix, name)) == inspect.getsource(getattr(grpo, name)), name
     # and the whole file differs from grpo.py by a bounded, reviewable set of removed lines

@@ -49,15 +49,18 @@ def test_scores_read_the_last_real_token_whatever_the_padding():
     T = response_ids.shape[1]
     with torch.no_grad():
         scores = reward_model.sequence_scores(model, input_ids, attention_mask)
-        assert torch.equal(scores, ppo.reward_scores(model, input_ids, attention_mask))  # the same function of the same pass
+        # the same function of the same pass
+        assert torch.equal(scores, ppo.reward_scores(model, input_ids, attention_mask))
         values = ppo.critic_values(model, input_ids, attention_mask, T)  # [2, T]
         for i, (p, r) in enumerate(zip(prompts, responses)):
             alone = torch.tensor([p + r])
             per_token = model.score(model.base_model(input_ids=alone).last_hidden_state).squeeze(-1)[0]  # [L]
-            assert_close(scores[i], per_token[-1], terms=forward_terms(model.config), scale=1.0)  # head outputs are O(1)
+            # head outputs are O(1)
+            assert_close(scores[i], per_token[-1], terms=forward_terms(model.config), scale=1.0)
             # value of the state before response token t = the head at the position before it
             n = len(r)
-            assert_close(values[i, :n], per_token[len(p) - 1 : len(p) + n - 1], terms=forward_terms(model.config), scale=1.0)
+            assert_close(values[i, :n], per_token[len(p) - 1 : len(p) + n - 1], terms=forward_terms(model.config),
+                         scale=1.0)
 
 
 def test_shipped_preference_pairs():

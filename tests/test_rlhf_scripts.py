@@ -22,7 +22,8 @@ def rm_checkpoint(sft_checkpoint, tmp_path_factory):
 
 
 def test_reward_model_learns_and_writes_its_outputs(rm_checkpoint):
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json", "reward_model.png"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json",
+                 "reward_model.png"):
         assert os.path.isfile(os.path.join(rm_checkpoint, name)), name
     with open(os.path.join(rm_checkpoint, "eval.json")) as f:
         scores = json.load(f)
@@ -45,7 +46,8 @@ def _fixed_problems(tmp_path, n=8):
 
 def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoint, rm_checkpoint, tmp_path):
     out = str(tmp_path / "ppo")
-    run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", rm_checkpoint, "--dataset", _fixed_problems(tmp_path, 32),
+    run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", rm_checkpoint, "--dataset",
+             _fixed_problems(tmp_path, 32),
         "--output_dir", out, "--max_steps", "20", "--per_device_train_batch_size", "32", "--learning_rate", "1e-4",
         "--warmup_steps", "2", "--eval_steps", "100")
     rows = [row for row in read_metrics(out) if "score" in row]

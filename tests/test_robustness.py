@@ -39,7 +39,8 @@ ROW = json.dumps({"question": "What is 1 + 1?", "answer": "1+1=2\n#### 2"}) + "\
 PAIR = json.dumps({"prompt": "What is 1 + 1?", "chosen": "<answer>2</answer>", "rejected": "<answer>3</answer>"}) + "\n"
 LONG = json.dumps({"question": "What is " + "1 + " * 400 + "1?", "answer": "#### 401"}) + "\n"
 GSM8K = ["sft.py", "grpo.py", "mix.py", "ppo.py"]  # the scripts that read GSM8K's question / answer rows
-SFT_RUN = ["--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300", "--num_eval_examples", "64"]  # conftest's
+# conftest's
+SFT_RUN = ["--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300", "--num_eval_examples", "64"]
 
 
 def gsm8k_rows(bad: dict, good: int = 20) -> str:
@@ -78,22 +79,28 @@ CASES = [
     (["reward_model.py"], ["--dataset", "{no_rejected}"], "has no column 'rejected'"),
     (["reward_model.py"], ["--dataset", "{same_pair}"], "line 1: 'chosen' and 'rejected' are the same text"),
     (["reward_model.py"], ["--dataset", "{empty_chosen}"], "line 1: 'chosen' is empty"),
-    (["mix.py"], ["--expert_dataset", "{expert_no_assistant}"], "line 1: 'messages' does not end with an assistant message"),
+    (["mix.py"], ["--expert_dataset", "{expert_no_assistant}"],
+     "line 1: 'messages' does not end with an assistant message"),
     (["mix.py"], ["--expert_dataset", "/nonexistent/expert.jsonl"], "no data file /nonexistent/expert.jsonl"),
     (["mix.py"], ["--expert_dataset", "{expert_empty}"], "expert_empty.jsonl is empty"),
     (["mix.py"], ["--expert_dataset", "{expert_malformed}"], "expert_malformed.jsonl line 2 is not valid JSON"),
     (["mix.py"], ["--expert_dataset", "{expert_no_messages}"], "has no column 'messages'"),
-    (["mix.py"], ["--expert_dataset", "{expert_no_content}"], "'messages' has a message from the assistant whose content is missing"),
-    (["mix.py"], ["--expert_dataset", "{expert_empty_answer}"], "'messages' has a message from the assistant whose content is empty"),
-    (["mix.py"], ["--expert_dataset", "{expert_bad_role}"], "'messages' has a message whose role is not system, user or assistant"),
+    (["mix.py"], ["--expert_dataset", "{expert_no_content}"],
+     "'messages' has a message from the assistant whose content is missing"),
+    (["mix.py"], ["--expert_dataset", "{expert_empty_answer}"],
+     "'messages' has a message from the assistant whose content is empty"),
+    (["mix.py"], ["--expert_dataset", "{expert_bad_role}"],
+     "'messages' has a message whose role is not system, user or assistant"),
     (["mix.py"], ["--expert_dataset", "{expert_not_a_list}"], "'messages' is not a list of messages"),
     (["ppo.py"], ["--reward_model", "{sft}"], "is a policy (it has a language-model head), not a reward model"),
     (["grpo.py", "mix.py", "ppo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
     # settings
-    (["grpo.py", "mix.py"], ["--loss_type", "mean"], "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, not 'mean'"),
+    (["grpo.py", "mix.py"], ["--loss_type", "mean"],
+     "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, not 'mean'"),
     (["grpo.py", "mix.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
-    (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"], "--importance_sampling_level must be one of token, sequence"),
+    (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"],
+     "--importance_sampling_level must be one of token, sequence"),
     (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
     (["grpo.py", "mix.py", "ppo.py"], ["--log_completions_steps", "-1"], "--log_completions_steps must be 0 or more"),
     (["ppo.py"], ["--target_kl", "0"], "--target_kl must be positive"),
@@ -118,7 +125,8 @@ CASES = [
     (ALL, ["--max_grad_norm", "inf"], "--max_grad_norm must be a finite number, not inf"),
     (ALL, ["--num_eval_examples", "-1"], "--num_eval_examples must be 0 or more"),
     (ALL, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
-    (["sft.py", "reward_model.py", "grpo.py", "mix.py"], ["--weight_decay", "-0.01"], "--weight_decay must be 0 or more"),
+    (["sft.py", "reward_model.py", "grpo.py", "mix.py"], ["--weight_decay", "-0.01"],
+     "--weight_decay must be 0 or more"),
     (["reward_model.py"], ["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
     (["reward_model.py"], ["--max_length", "1"], "--max_length must be at least 2 tokens"),
     (RL, ["--dataset", "{long_prompt}", "--max_completion_length", "64"], "more than the model's context of 1024"),
@@ -138,7 +146,8 @@ CASES = [
     (["sft.py"], [*SFT_RUN, "--model", "{sft}", "--resume", "true"], "was trained from --model tiny"),
     (["sft.py"], [*SFT_RUN, "--resume", "true"], "checkpoint/state.pt cannot be read"),
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{no_run_json}"], "has no readable run.json"),
-    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{stopped_early}"], "stopped before its first checkpoint"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{stopped_early}"],
+     "stopped before its first checkpoint"),
 ]
 TABLE = [(script, args, message) for scripts, args, message in CASES for script in scripts]
 
@@ -155,23 +164,33 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     folders = {"not_a_model": write(tmp / "not_a_model" / "config.json", "{not a config").removesuffix("/config.json"),
                "no_train": str((tmp / "no_train").mkdir() or tmp / "no_train"),
                "a_file": write(tmp / "a_file", "not a folder"), "huge": "x" * 100_000}
-    datasets = {"empty": "", "malformed": ROW + "{broken\n", "no_answer": json.dumps({"question": "q"}) + "\n",
-                "latin1": ROW.encode() * 20 + '{"question": "Combien font 2 + 2 ? Réponds.", "answer": "#### 4"}\n'.encode("latin-1"),
-                "array_line": ROW * 20 + "[1, 2]\n",
-                "no_hashes": gsm8k_rows({"answer": "2+2=4, so 4"}), "bare_hashes": gsm8k_rows({"answer": "2+2=4\n####"}),
-                "empty_question": gsm8k_rows({"question": " "}), "number_question": gsm8k_rows({"question": 5}),
-                "missing_question": ROW * 20 + json.dumps({"answer": "#### 4"}) + "\n",
-                "all_empty": json.dumps({"question": "", "answer": "#### 1"}) + "\n" * 1 + gsm8k_rows({"question": ""}, 0) * 20,
-                "mixed_column": ROW * 20 + gsm8k_rows({"source": "a"}, 0) + gsm8k_rows({"source": ["a", "list"]}, 0),
-                "no_rejected": json.dumps({"prompt": "p", "chosen": "c"}) + "\n",
-                "same_pair": json.dumps({"prompt": "p", "chosen": "<answer>2</answer>", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
-                "empty_chosen": json.dumps({"prompt": "p", "chosen": "", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
-                "long_prompt": LONG * 200}
+    datasets = {
+        "empty": "",
+        "malformed": ROW + "{broken\n",
+        "no_answer": json.dumps({"question": "q"}) + "\n",
+        "latin1": ROW.encode() * 20
+        + '{"question": "Combien font 2 + 2 ? Réponds.", "answer": "#### 4"}\n'.encode("latin-1"),
+        "array_line": ROW * 20 + "[1, 2]\n",
+        "no_hashes": gsm8k_rows({"answer": "2+2=4, so 4"}),
+        "bare_hashes": gsm8k_rows({"answer": "2+2=4\n####"}),
+        "empty_question": gsm8k_rows({"question": " "}),
+        "number_question": gsm8k_rows({"question": 5}),
+        "missing_question": ROW * 20 + json.dumps({"answer": "#### 4"}) + "\n",
+        "all_empty": json.dumps({"question": "", "answer": "#### 1"}) + "\n" * 1 + gsm8k_rows({"question": ""}, 0) * 20,
+        "mixed_column": ROW * 20 + gsm8k_rows({"source": "a"}, 0) + gsm8k_rows({"source": ["a", "list"]}, 0),
+        "no_rejected": json.dumps({"prompt": "p", "chosen": "c"}) + "\n",
+        "same_pair": json.dumps({"prompt": "p", "chosen": "<answer>2</answer>", "rejected": "<answer>2</answer>"})
+        + "\n"
+        + PAIR * 20,
+        "empty_chosen": json.dumps({"prompt": "p", "chosen": "", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
+        "long_prompt": LONG * 200,
+    }
     for name, text in datasets.items():
         folders[name] = str(tmp / name)
         write(tmp / name / "train.jsonl", text)
         write(tmp / name / "test.jsonl", text)
-    experts = {"expert_no_assistant": chat(USER), "expert_empty": "", "expert_malformed": chat(USER, ASSISTANT) + "{broken\n",
+    experts = {"expert_no_assistant": chat(USER), "expert_empty": "",
+               "expert_malformed": chat(USER, ASSISTANT) + "{broken\n",
                "expert_no_messages": json.dumps({"conversation": []}) + "\n",
                "expert_no_content": chat(USER, {"role": "assistant"}),
                "expert_empty_answer": chat(USER, {"role": "assistant", "content": ""}),
@@ -179,7 +198,8 @@ def bad_data(tmp_path_factory, sft_checkpoint):
                "expert_not_a_list": json.dumps({"messages": "What is 1 + 1? 2"}) + "\n"}
     for name, text in experts.items():
         folders[name] = write(tmp / f"{name}.jsonl", text)
-    folders["a_reward_model"] = write(tmp / "rm" / "config.json", json.dumps({"architectures": ["LlamaForSequenceClassification"]})
+    folders["a_reward_model"] = write(tmp / "rm" / "config.json",
+                                      json.dumps({"architectures": ["LlamaForSequenceClassification"]})
                                       ).removesuffix("/config.json")
     no_template = tmp / "no_chat_template"
     shutil.copytree(sft_checkpoint, no_template, ignore=shutil.ignore_patterns("checkpoint*", "chat_template.jinja"))
@@ -188,7 +208,8 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     folders["no_chat_template"] = str(no_template)
     # an sft.py run's folder whose checkpoint has no run.json, and one whose replacing run stopped before a checkpoint
-    shutil.copytree(sft_checkpoint, tmp / "no_run_json", ignore=shutil.ignore_patterns("run.json", "state.pt", "*.safetensors"))
+    shutil.copytree(sft_checkpoint, tmp / "no_run_json",
+                    ignore=shutil.ignore_patterns("run.json", "state.pt", "*.safetensors"))
     write(tmp / "no_run_json" / "checkpoint" / "state.pt", "a good state")
     folders["no_run_json"] = str(tmp / "no_run_json")
     shutil.copytree(sft_checkpoint, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
@@ -201,7 +222,8 @@ def snapshot(path) -> dict:
     """Every file and folder under path (hidden ones too), with the bytes of each file."""
     if os.path.isfile(path):
         return {"": open(path, "rb").read()}
-    return {os.path.relpath(os.path.join(root, name), path): (open(os.path.join(root, name), "rb").read() if name in files else None)
+    return {os.path.relpath(os.path.join(root, name),
+                            path): (open(os.path.join(root, name), "rb").read() if name in files else None)
             for root, folders, files in os.walk(path) for name in folders + files}
 
 
@@ -283,10 +305,16 @@ def test_check_finite_promotes_a_checkpoint_only_after_finite_values(tmp_path):
         write(tmp_path / name / "state.pt", f"step {step}")
     with pytest.raises(SystemExit, match="step 7: the loss is inf"):
         common.check_finite(7, str(tmp_path), grad_norm=1.0, loss=float("inf"))
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint"] and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 4"
+    assert (
+        sorted(os.listdir(tmp_path)) == ["checkpoint"]
+        and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 4"
+    )
     write(tmp_path / "checkpoint.new" / "state.pt", "step 8")
     common.check_finite(9, str(tmp_path), grad_norm=1.0, loss=0.5)
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint"] and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 8"
+    assert (
+        sorted(os.listdir(tmp_path)) == ["checkpoint"]
+        and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 8"
+    )
 
 
 def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
@@ -297,7 +325,8 @@ def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
     whole = str(tmp_path / "whole")
     run_main("sft.py", *args, "--output_dir", whole)
     killed = str(tmp_path / "killed")
-    _signal_when(_start("sft.py", [*args, "--output_dir", killed]), lambda: _lines(os.path.join(killed, "metrics.jsonl")) >= 5)
+    _signal_when(_start("sft.py", [*args, "--output_dir", killed]),
+                 lambda: _lines(os.path.join(killed, "metrics.jsonl")) >= 5)
     for damage in ("torn", "missing"):
         broken = str(tmp_path / damage)
         shutil.copytree(killed, broken)
@@ -331,8 +360,12 @@ def test_one_writer_per_folder(tmp_path):
         for flags in (["--overwrite_output_dir", "true"], ["--resume", "true"]):  # this process is the second run
             with pytest.raises(SystemExit) as stop:
                 sft.main(common.parse_config(sft.Config, ["--max_steps", "2000", "--output_dir", out, *flags]))
-            assert stop.value.code == f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir"
-        second = run("sft.py", "--output_dir", out, "--overwrite_output_dir", "true", check=False)  # from the command line
+            assert (
+                stop.value.code
+                == f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir"
+            )
+        # from the command line
+        second = run("sft.py", "--output_dir", out, "--overwrite_output_dir", "true", check=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
         assert second.stderr.strip().splitlines()[-1].startswith(f"error: another run is writing to {out}")
     finally:
@@ -380,7 +413,8 @@ def _signal_when(process, condition, sig=signal.SIGKILL, timeout=300):
 
 
 def _start(script, args):
-    return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _lines(path):
@@ -517,7 +551,9 @@ def test_a_small_share_of_bad_rows_is_skipped_and_counted(tmp_path, capsys):
     path.write_text(rows)
     data = common.load_jsonl(str(path), ("question", "answer"))
     assert len(data) == 200 and "" not in data["question"]
-    assert f"{path}: skipped 1 of 201 unusable rows (the first, line 101: 'question' is empty)" in capsys.readouterr().out
+    assert (
+        f"{path}: skipped 1 of 201 unusable rows (the first, line 101: 'question' is empty)" in capsys.readouterr().out
+    )
     path.write_text(rows + json.dumps({"question": "q", "answer": "#### 1", "id": 7}) + "\n"
                     + json.dumps({"question": "q", "answer": "#### 1", "id": "seven"}) + "\n")
     with pytest.raises(SystemExit, match="line 203: 'id' is str, where line 202 has int"):

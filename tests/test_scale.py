@@ -123,10 +123,12 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     assert not os.path.isfile(os.path.join(sft_out, "model.safetensors"))
     assert os.path.isfile(os.path.join(rm_short, "adapter_model.safetensors"))
     rl = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"]
-    for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
+    for script, extra in (("grpo.py", rl), ("mix.py", rl),
+                          ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
                                                                        "--reward_model", rm_short])):
         out = str(tmp_path / script)
-        result = run_main(script, "--model", sft_out, "--output_dir", out, *extra, *short,  # starts from the LoRA SFT adapter
+        # starts from the LoRA SFT adapter
+        result = run_main(script, "--model", sft_out, "--output_dir", out, *extra, *short,
                      *(["--merge_lora", "true"] if script == "grpo.py" else []))
         assert os.path.isfile(os.path.join(out, "adapter_model.safetensors")), script
         assert "trained parameters" in result.stdout + result.stderr
@@ -155,12 +157,40 @@ def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
     peak = {}
     for name, extra in (("full", []), ("lora", ["--lora_r", "8"])):
         # VmHWM, this process's own peak: ru_maxrss would include the RSS of the pytest process it was forked from
-        code = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
-                "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))")
-        result = subprocess.run([sys.executable, "-c", code, "grpo.py", "--model", folder, "--output_dir", str(tmp_path / name),
-                                 "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
-                                 "--max_completion_length", "16", "--eval_steps", "100", "--num_eval_examples", "2", *extra],
-                                cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        code = (
+            "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
+            "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))"
+        )
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                "grpo.py",
+                "--model",
+                folder,
+                "--output_dir",
+                str(tmp_path / name),
+                "--max_steps",
+                "2",
+                "--per_device_train_batch_size",
+                "16",
+                "--num_generations",
+                "4",
+                "--max_completion_length",
+                "16",
+                "--eval_steps",
+                "100",
+                "--num_eval_examples",
+                "2",
+                *extra,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         peak[name] = int(result.stdout.split("PEAK_KB")[1].split()[0]) / 1024
     print(f"peak RSS of 2 GRPO steps, 34M parameters: full {peak['full']:.0f} MB, LoRA r=8 {peak['lora']:.0f} MB")
@@ -206,16 +236,19 @@ def test_gsm8k_schema_answer_parsing_and_reward():
 def test_sft_and_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "gsm8k", GSM8K_ROWS)
     short = ["--eval_steps", "100", "--warmup_steps", "1", "--max_completion_length", "160"]
-    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"),
+             "--max_steps", "2",
         "--per_device_train_batch_size", "2", *short)
-    for script, batch in (("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"]),):  # 2 prompts x 4 + 8 expert rows
+    # 2 prompts x 4 + 8 expert rows
+    for script, batch in (("mix.py", ["--per_device_train_batch_size", "16", "--expert_data_ratio", "0.5"]),):
         run_main(script, "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / script),
             "--max_steps", "1", "--num_generations", "4", *batch, *short)
 
 
 def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "rm_static", RM_STATIC_ROWS)
-    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"), "--max_steps", "2",
+    run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"),
+             "--max_steps", "2",
         "--per_device_train_batch_size", "2", "--eval_steps", "100")
     rm = str(tmp_path / "rm")
     run_main("reward_model.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", rm, "--max_steps", "2",

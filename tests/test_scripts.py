@@ -1,4 +1,5 @@
 """The scripts end to end, by subprocess with tiny settings, plus a few in-process training checks."""
+
 import json
 import os
 
@@ -35,8 +36,25 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     (data / "train.jsonl").write_text("".join(rows))
     (data / "test.jsonl").write_text("".join(rows) * 16)
     out = str(tmp_path / "grpo")
-    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "30",
-             "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2", "--eval_steps", "100")
+    run_main(
+        "grpo.py",
+        "--model",
+        sft_checkpoint,
+        "--dataset",
+        str(data),
+        "--output_dir",
+        out,
+        "--max_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "64",
+        "--learning_rate",
+        "1e-4",
+        "--warmup_steps",
+        "2",
+        "--eval_steps",
+        "100",
+    )
     metrics = read_metrics(out)
     rows = [row for row in metrics if "reward" in row]
     assert len(rows) == 30
@@ -64,7 +82,8 @@ def test_grpo_multiple_iterations_and_dapo_run(sft_checkpoint, tmp_path):
 
 def test_grpo_without_sft_checkpoint_says_what_to_run(tmp_path):
     with pytest.raises(SystemExit) as stop:  # in process; tests/test_robustness.py runs this one as a command
-        grpo.main(common.parse_config(grpo.Config, ["--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o")]))
+        grpo.main(common.parse_config(grpo.Config,
+                                      ["--model", str(tmp_path / "missing"), "--output_dir", str(tmp_path / "o")]))
     assert "run `python sft.py` first" in str(stop.value.code)
 
 

@@ -21,7 +21,8 @@ torch.manual_seed(0)
 tokenizer = common.build_tokenizer()
 model = common.build_tiny_model(tokenizer)
 lengths = [1, 2, 9, 12]  # short completions first: with 2 processes, rank 0 gets 3 tokens, rank 1 gets 21
-examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"], list(range(40, 40 + n)))
+examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"],
+             list(range(40, 40 + n)))
             for i, n in enumerate(lengths)]
 input_ids, attention_mask, mask = sft.collate(examples, tokenizer.pad_token_id)
 advantages = torch.tensor([1.0, -0.5, 0.25, -2.0])
