@@ -20,8 +20,9 @@ then optionally what part of it the range is:
 Each range is computed from the code, so it has exactly one right value, and a row that has
 drifted after an edit fails even when its old range still falls inside the function.
 
-This file reads source files with ast only (no torch, no script is imported), so it runs in a
-second. When it fails after an edit of the code, its message names the row and the line range to
+The ranges are generated, not typed: after moving code, `python docs/concept_map.py` rewrites
+every range from these rules. This file reads source files with ast only (no torch, no script is
+imported), so it runs in a second. When it fails, its message names the row and the line range to
 write. CONCEPT_MAP_README=path points it at another copy of the README (to check a draft).
 """
 import ast
@@ -285,7 +286,8 @@ def test_every_where_cell_points_at_its_function_and_lines():
     for number, cells in rows:
         if len(cells) == 4 and (problem := check_where(cells[2])):
             wrong.append(f"{label(number, cells)}: {problem}")
-    fail_if(wrong, f"{len(wrong)} row(s) of '{HEADING}' in {README} are out of date:")
+    fail_if(wrong, f"{len(wrong)} row(s) of '{HEADING}' in {README} are out of date "
+                   "(python docs/concept_map.py rewrites the ranges):")
 
 
 def test_every_named_test_exists():
