@@ -169,12 +169,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             if t == max_new_tokens - 1 or not writing.any():
                 break
             if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, attention_mask, positions = (
-                    rows[writing],
-                    next_tokens[writing],
-                    attention_mask[writing],
-                    positions[writing],
-                )
+                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
+                attention_mask = attention_mask[writing]
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             positions = positions + 1
@@ -207,8 +203,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T,
-                                                                                             device=input_ids.device)
+    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
+    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion

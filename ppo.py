@@ -168,12 +168,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             if t == max_new_tokens - 1 or not writing.any():
                 break
             if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, attention_mask, positions = (
-                    rows[writing],
-                    next_tokens[writing],
-                    attention_mask[writing],
-                    positions[writing],
-                )
+                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
+                attention_mask = attention_mask[writing]
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
             positions = positions + 1
@@ -206,8 +202,8 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs, entropy = torch.zeros(len(input_ids), T, device=input_ids.device), torch.zeros(len(input_ids), T,
-                                                                                             device=input_ids.device)
+    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
+    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
@@ -602,10 +598,8 @@ def main(cfg: Config):
                     micro_actor_loss.backward()  # gradients add up over the micro-batches
                     micro_critic_loss.backward()
                     logprobs[part], values[part] = micro_logprobs.detach(), micro_values.detach()
-                    actor_loss, critic_loss = (
-                        actor_loss + micro_actor_loss.detach(),
-                        critic_loss + micro_critic_loss.detach(),
-                    )
+                    actor_loss = actor_loss + micro_actor_loss.detach()
+                    critic_loss = critic_loss + micro_critic_loss.detach()
                     time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
                 t4 = time.perf_counter()
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer),
@@ -669,13 +663,9 @@ def main(cfg: Config):
             common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
         # after this step's evaluation: a resume repeats nothing
         if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            common.save_training_state(
-                run_dir,
-                cfg,
-                step,
-                {"initial": initial, "scores": scores, "kl_coef": kl_coef, "elapsed": time.perf_counter() - started},
-                **training_state,
-            )
+            elapsed = time.perf_counter() - started
+            results = {"initial": initial, "scores": scores, "kl_coef": kl_coef, "elapsed": elapsed}
+            common.save_training_state(run_dir, cfg, step, results, **training_state)
 
     def change(key):  # "before -> after", or "after" alone without --eval_on_start
         return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"

@@ -199,8 +199,8 @@ def main(cfg: Config):
     num_params = sum(p.numel() for p in model.parameters())
     common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
                f"{world_size} process(es)\n" + common.memory_estimate(
-                   [model], rows=cfg.per_device_train_batch_size, sequence_length=max(len(p) + len(a) for p,
-                                                                                      a in examples),
+                   [model], rows=cfg.per_device_train_batch_size,
+                   sequence_length=max(len(p) + len(a) for p, a in examples),
                    completion_length=max(len(a) for _, a in examples)))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)

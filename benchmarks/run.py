@@ -101,10 +101,9 @@ def run_chain(workdir):
         subprocess.run([sys.executable, __file__, "--child", script, result_file, "--overwrite_output_dir", "true"],
                        cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out_dir = os.path.join(ROOT, "out", script.replace(".py", "").replace("reward_model", "rm"))
         results.append({"name": script, "wall_s": time.perf_counter() - start, **json.load(open(result_file)),
-                        "eval": json.load(open(os.path.join(ROOT, "out",
-                                                            script.replace(".py", "").replace("reward_model",
-                                                                                              "rm"), "eval.json")))})
+                        "eval": json.load(open(os.path.join(out_dir, "eval.json")))})
         print(f"  {script}: {results[-1]['wall_s']:.0f} s, peak RSS {results[-1]['peak_rss_mb']:.0f} MB", flush=True)
     print("\n| script | wall time (s) | peak RSS (MB) |\n|---|---|---|")
     for r in results:

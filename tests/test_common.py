@@ -51,8 +51,8 @@ def test_tokenizer_round_trip_through_autotokenizer(saved_tiny):
     assert reloaded.chat_template == tokenizer.chat_template
     # load_model (what the RL scripts call) gives the same tokenizer
     _, loaded = common.load_model(str(path))
-    assert loaded(TEXTS[1], add_special_tokens=False)["input_ids"] == tokenizer(TEXTS[1],
-                                                                                add_special_tokens=False)["input_ids"]
+    expected = tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]
+    assert loaded(TEXTS[1], add_special_tokens=False)["input_ids"] == expected
 
 
 def test_format_tags_are_single_tokens_and_survive_decoding():

@@ -134,8 +134,8 @@ def test_the_shared_functions_are_the_same_in_mix():
 def test_mix_sft_term_follows_the_loss_type():
     logprobs, _, _, _, mask = batch()
     nll_sum = float(torch.where(mask.bool(), -logprobs, 0.0).sum())
-    assert mix.sft_loss(logprobs, mask, "dr_grpo", max_completion_length=8).item() == approx(nll_sum / (6 * 8),
-                                                                                             terms=20)
+    loss = mix.sft_loss(logprobs, mask, "dr_grpo", max_completion_length=8)
+    assert loss.item() == approx(nll_sum / (6 * 8), terms=20)
     assert torch.equal(mix.sft_loss(logprobs, mask, "bnpo"), mix.sft_loss(logprobs, mask, "dapo"))
 
 

@@ -28,8 +28,8 @@ def notebook_out(tmp_path_factory, sft_checkpoint):
     import helpers
 
     cfg = helpers.SFT_CONFIG
-    assert (cfg.max_steps, cfg.learning_rate, cfg.eval_steps, cfg.num_eval_examples, cfg.seed) == (300, 2e-3, 300, 64,
-                                                                                                   0), \
+    settings = (cfg.max_steps, cfg.learning_rate, cfg.eval_steps, cfg.num_eval_examples, cfg.seed)
+    assert settings == (300, 2e-3, 300, 64, 0), \
         "notebooks/helpers.py's SFT_CONFIG no longer matches tests/conftest.py's sft_checkpoint: update both"
     out = str(tmp_path_factory.mktemp("notebooks_out"))
     shutil.copytree(sft_checkpoint, os.path.join(out, "sft"))
