@@ -315,7 +315,15 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
         k3 = exp(ref - logp) - (ref - logp) - 1
 
-    unbiased for tokens sampled from pi, and >= 0 everywhere. [B, T] -> [B, T]."""
+    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Two
+    caveats when it is used as a loss term, as here (notes 002 / 004):
+      - with num_iterations > 1 the tokens were sampled from pi_old, not from the pi being updated,
+        so the estimate is biased (TRL 1.16's use_bias_correction_kl multiplies k3 by pi / pi_old);
+      - its gradient is not the gradient of KL(pi || pi_ref): for tokens from pi, E[grad k3] =
+        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the reverse KL (Tang & Munos 2025;
+        Liu et al. 2025). k1 = logp - ref as a loss has E[grad k1] = E[grad logp] = 0, which is why
+        PPO puts k1 in the reward (ppo.compute_rewards) rather than in the loss.
+    [B, T] -> [B, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -397,7 +405,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
 
 
 def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each row's real tokens, then over rows (how TRL reports kl)."""
+    """Mean over each row's real tokens, then over rows: the logged kl weighs each completion alike, as
+    'grpo' weighs the loss (TRL 1.16 logs kl as one token mean over the global batch instead)."""
     mask = mask.to(values.dtype)
     return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
 
@@ -566,7 +575,8 @@ def main(cfg: Config):
             time_backward += time.perf_counter() - t3
         old = old_logprobs if old_logprobs is not None else logprobs
 
-        # 6. Logging (TRL's metric names where they exist).
+        # 6. Logging, with TRL 1.16's metric names where the quantity is the same (completion_length is its
+        # completions/mean_length, clip_fraction its clip_ratio/region_mean; its kl is a token mean).
         with torch.no_grad():
             kl = masked_mean_per_sequence(kl_k3(logprobs, ref_logprobs),
                                           completion_mask).item() if cfg.beta > 0 else 0.0

@@ -56,7 +56,8 @@ class Config:
     mu: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """weight of the SFT term on expert rows: loss = (1 - mu) * GRPO loss + mu * SFT loss"""
     expert_data_ratio: float = setting(0.25, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """share of each batch's rows that are expert data (Trinity rounds the expert count up)"""
+    """share of each batch's rows that are expert data (Trinity rounds the expert count up); 0.25 is note 001's
+    example config, its sampler's own default is 0.5"""
     max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_iterations updates)"""
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
@@ -324,7 +325,15 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
         k3 = exp(ref - logp) - (ref - logp) - 1
 
-    unbiased for tokens sampled from pi, and >= 0 everywhere. [B, T] -> [B, T]."""
+    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Two
+    caveats when it is used as a loss term, as here (notes 002 / 004):
+      - with num_iterations > 1 the tokens were sampled from pi_old, not from the pi being updated,
+        so the estimate is biased (TRL 1.16's use_bias_correction_kl multiplies k3 by pi / pi_old);
+      - its gradient is not the gradient of KL(pi || pi_ref): for tokens from pi, E[grad k3] =
+        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the reverse KL (Tang & Munos 2025;
+        Liu et al. 2025). k1 = logp - ref as a loss has E[grad k1] = E[grad logp] = 0, which is why
+        PPO puts k1 in the reward (ppo.compute_rewards) rather than in the loss.
+    [B, T] -> [B, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -406,7 +415,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
 
 
 def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each row's real tokens, then over rows (how TRL reports kl)."""
+    """Mean over each row's real tokens, then over rows: the logged kl weighs each completion alike, as
+    'grpo' weighs the loss (TRL 1.16 logs kl as one token mean over the global batch instead)."""
     mask = mask.to(values.dtype)
     return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
 
@@ -512,6 +522,10 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
       - The note's formula averages the SFT term per answer, then over answers, while its example
         config sets sft_loss_agg_mode "token-mean". `loss_type` picks one rule for both terms:
         'grpo' per sequence (the formula), 'dapo' one token mean (the config), or 'bnpo' / 'dr_grpo'.
+      - The KL penalty: Trinity adds its KL loss outside the MIX policy loss, over all rows. Here
+        beta * k3 sits inside grpo_loss, so on usual rows only and inside the (1 - mu) factor: a
+        deviation, chosen because k3 estimates KL(pi || pi_ref) only on tokens pi sampled, which
+        expert tokens are not.
       - Gradient accumulation: Trinity scales each term by its rows' share of a micro-batch
         (per_micro_batch_weight_usual / _expert), so that the micro-batches add up to the mean over
         the whole step. Here step_masks = (mask, expert_mask) of the whole step gives each term the
@@ -709,7 +723,9 @@ def main(cfg: Config):
             time_backward += time.perf_counter() - t3
         old = old_logprobs if old_logprobs is not None else logprobs
 
-        # 6. Logging (TRL's metric names where they exist; rollout statistics on the usual rows only).
+        # 6. Logging, with TRL 1.16's metric names where the quantity is the same (completion_length is its
+        # completions/mean_length, clip_fraction its clip_ratio/region_mean; its kl is a token mean).
+        # Rollout statistics come from the usual rows only.
         with torch.no_grad():
             kl = masked_mean_per_sequence(kl_k3(logprobs[usual], ref_logprobs[usual]),
                                           completion_mask[usual]).item() if cfg.beta > 0 else 0.0

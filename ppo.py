@@ -275,9 +275,14 @@ def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int)
 
 
 def reward_scores(reward_model, input_ids, attention_mask):
-    """r(x, y) [B]: the reward model's score at each sequence's last real token, the EOS (note 003:
-    an outcome reward model computes a score at every position, only the EOS one is used).
-    The same as reward_model.sequence_scores."""
+    """r(x, y) [B]: the reward model's score at each sequence's last real token (note 003: an
+    outcome reward model computes a score at every position, only the last one is used). That is
+    the EOS of a finished completion; a completion cut off at max_completion_length has no EOS and
+    is scored at its last token like the others, although the reward model was trained on answers
+    that end with EOS. So a truncated answer gets a score from outside the RM's training
+    distribution, which PPO may learn to exploit. Remedies elsewhere: a fixed penalty instead
+    (TRL 1.16's online DPO trainer subtracts its missing_eos_penalty), or no loss at all on such
+    completions (grpo.py's --mask_truncated_completions). The same as reward_model.sequence_scores."""
     hidden = common.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
@@ -409,9 +414,14 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=N
         v_clip = clip(v, old_v - c, old_v + c)
         l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)
 
-    The critic is fitted to the returns R, but, like the actor, not allowed to move its values
-    further than c from those it gave when the experience was made. values, old_values, returns,
-    mask [B, T]; step_tokens: see masked_mean."""
+    The critic is fitted to the returns R. The max keeps the larger error, so the gradient is gone
+    only where V has moved more than c from old_v toward R (the clipped error, constant in theta,
+    is then the larger); a V that left the band away from R keeps its gradient and is pulled back.
+    So V is not kept within c of old_v: the clip only stops one batch from chasing R too far. c is
+    in reward units, like V and R, not a ratio. Andrychowicz et al. (2021, "What matters in
+    on-policy RL") found value clipping often does not help; it stays here because note 000's
+    DeepSpeed-Chat (and TRL's PPOTrainer) use it. values, old_values, returns, mask [B, T];
+    step_tokens: see masked_mean."""
     mask = mask.bool()
     values = torch.where(mask, values, 0.0)
     old_values = torch.where(mask, old_values, 0.0)

@@ -112,7 +112,8 @@ def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, 
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """r(x, y) [B]: the scalar head on the hidden state of each row's last real token (the EOS).
+    """r(x, y) [B]: the scalar head on the hidden state of each row's last real token (the EOS of
+    every training pair; ppo.reward_scores says what happens to a completion cut off without one).
 
     input_ids, attention_mask [B, L] laid out as [left-padded prompt | right-padded response].
     Every position gets a hidden state, but only the last real one has read the whole answer."""

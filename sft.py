@@ -95,12 +95,15 @@ class Config:
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the answer tokens (note 000, stage 1):
+    """Token-mean negative log-likelihood of the answer tokens (stage 1 of note 000):
 
         loss = -sum(logprobs * mask) / num_tokens,      num_tokens = sum(mask) by default
 
     logprobs [B, T] are log pi(answer token | prompt, earlier answer tokens); mask [B, T] is 1 on
     real answer tokens (EOS included) and 0 on padding, so prompt and padding never count.
+    Note 000's DeepSpeed-Chat trains its SFT stage on prompt + answer alike; we mask the prompt, as
+    TRL's SFTTrainer does with completion_only_loss: the model is not asked to predict the user's
+    question, and every gradient goes to the answers it will be asked to write.
     With gradient accumulation, num_tokens is the answer-token count of the whole step (all its
     micro-batches): each micro-batch's loss is then its share of the step's token mean, and the
     micro-batches' losses and gradients add up to those of one pass over the step's batch.
