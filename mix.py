@@ -84,7 +84,8 @@ class Config:
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
-    """weight of the KL penalty to the reference policy (0 = no reference model)"""
+    """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's and the
+    notes'; TRL 1.16 defaults to 0.0 (and to loss_type dapo, learning_rate 1e-6): set them to compare"""
     loss_type: str = "grpo"
     """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
     one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
