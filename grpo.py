@@ -53,8 +53,8 @@ class Config:
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
     per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """completions per micro-batch; a step samples per_device_train_batch_size x gradient_accumulation_steps
-    completions (prompts per step x num_generations)"""
+    """rows per micro-batch, as in ppo.py and mix.py: a row is one prompt + one completion; a step samples
+    per_device_train_batch_size x gradient_accumulation_steps completions (prompts per step x num_generations)"""
     gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
     (less memory), and their gradients add up to the step's (the same result)"""

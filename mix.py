@@ -63,8 +63,9 @@ class Config:
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
     per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """rows per micro-batch; a step has per_device_train_batch_size x gradient_accumulation_steps rows: usual rows
-    (prompts per step x num_generations) + expert rows"""
+    """rows per micro-batch, as in ppo.py and grpo.py: a row is one prompt + one completion or expert answer; a
+    step has per_device_train_batch_size x gradient_accumulation_steps rows: usual rows (prompts per step x
+    num_generations) + expert rows"""
     gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
     (less memory), and their gradients add up to the step's (the same result)"""

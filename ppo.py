@@ -51,8 +51,8 @@ class Config:
     max_steps: int = setting(80, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
     per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """prompts per micro-batch, one completion each; a step samples per_device_train_batch_size x
-    gradient_accumulation_steps prompts"""
+    """rows per micro-batch, as in grpo.py and mix.py: a row is one prompt + one completion (PPO samples one
+    per prompt); a step samples per_device_train_batch_size x gradient_accumulation_steps prompts"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
     gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -642,7 +642,9 @@ def main(cfg: Config):
             "score": score.mean().item(),
             **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])}
                if has_answers else {}),
-            "kl": kl,  # sum over a completion's tokens of log pi/pi_ref, mean over completions
+            # k1 summed over a completion's tokens, mean over completions (TRL's objective/kl); not grpo.py's
+            # kl, a k3 mean per token: hence another name
+            "kl_sum": kl,
             "kl_coef": kl_coef,
             "loss/actor": mean(stats["actor_loss"]),
             "loss/critic": mean(stats["critic_loss"]),
@@ -660,7 +662,8 @@ def main(cfg: Config):
         metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
         common.log_metrics(run_dir, metrics)
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["kl"], cfg.target_kl, cfg.kl_horizon, len(prompts) * world_size)
+            kl_coef = adaptive_kl_coef(kl_coef, metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
+                                       len(prompts) * world_size)
         # what the policy wrote (rank 0's share)
         if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
             common.log_completions(run_dir, step, prompts, completions, score=score.tolist(),
@@ -688,7 +691,7 @@ def main(cfg: Config):
         run_dir,
         {"reward model score": ["score", "eval/score"],
          "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
-         "kl to reference": ["kl"], "losses": ["loss/actor", "loss/critic"]},
+         "kl to reference (k1 sum per completion)": ["kl_sum"], "losses": ["loss/actor", "loss/critic"]},
         "PPO",
     )
     common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole

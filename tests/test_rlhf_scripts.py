@@ -54,7 +54,7 @@ def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoin
     assert len(rows) == 20
     first, last = [r["score"] for r in rows[:5]], [r["score"] for r in rows[-5:]]
     assert z_gain(first, last) > 2, (first, last)  # up by more than twice the step-to-step noise
-    for key in ("accuracy", "kl", "loss/actor", "loss/critic", "clip_fraction/actor", "clip_fraction/critic",
+    for key in ("accuracy", "kl_sum", "loss/actor", "loss/critic", "clip_fraction/actor", "clip_fraction/critic",
                 "value_error", "entropy", "completion_length", "time/generation", "time/logprobs", "time/backward"):
         assert key in rows[0], key
     assert os.path.isfile(os.path.join(out, "ppo.png"))

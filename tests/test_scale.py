@@ -123,16 +123,15 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     assert not os.path.isfile(os.path.join(sft_out, "model.safetensors"))
     assert os.path.isfile(os.path.join(rm_short, "adapter_model.safetensors"))
     rl = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"]
-    for script, extra in (("grpo.py", rl), ("mix.py", rl),
-                          ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8",
-                                                                       "--reward_model", rm_short])):
+    ppo_short = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--reward_model", rm_short]
+    for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ppo_short)):
         out = str(tmp_path / script)
         # starts from the LoRA SFT adapter
         result = run_main(script, "--model", sft_out, "--output_dir", out, *extra, *short,
                      *(["--merge_lora", "true"] if script == "grpo.py" else []))
         assert os.path.isfile(os.path.join(out, "adapter_model.safetensors")), script
         assert "trained parameters" in result.stdout + result.stderr
-        rows = [row for row in read_metrics(out) if "kl" in row]
+        rows = [row for row in read_metrics(out) if "learning_rate" in row]  # the training steps' lines
         assert len(rows) == 2
     # --merge_lora: a plain model folder, the adapter folded into the base weights, loads like any checkpoint
     merged, _ = common.load_model(str(tmp_path / "grpo.py" / "merged"))

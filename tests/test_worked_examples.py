@@ -1,0 +1,22 @@
+"""The README's worked examples are the repo's functions' own numbers (docs/worked_examples.py)."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "docs"))
+import worked_examples  # noqa: E402
+
+
+def test_readme_tables_match_the_functions():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        section = worked_examples.readme_section(f.read())
+    assert section == worked_examples.render(), "run python docs/worked_examples.py and commit the README"
+
+
+def test_the_tables_say_what_the_hand_computation_says():
+    """The claims of the prose: Bessel's sqrt(3/4), and the clip's 2x3 pattern."""
+    text = worked_examples.render()
+    assert "+0.8660" in text and "-0.8660" in text  # sqrt(3/4)
+    clip = text[text.index("When the clip removes"):]
+    assert clip.count("**no gradient**") == 2  # A > 0 above the band, A < 0 below it
+
