@@ -48,7 +48,7 @@ class Config:
     finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each question (use the same as for sft.py)"""
-    max_steps: int = setting(80, lambda v: v >= 1, "at least 1")
+    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
     per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
     """rows per micro-batch, as in grpo.py and mix.py: a row is one prompt + one completion (PPO samples one

@@ -40,7 +40,7 @@ class Config:
     finishes, so a run that fails or is killed leaves the old one whole"""
     system_prompt: str = ""
     """optional system message before each prompt (use the same as for sft.py and ppo.py)"""
-    max_steps: int = setting(300, lambda v: v >= 1, "at least 1")
+    max_steps: int = setting(600, lambda v: v >= 1, "at least 1")
     """optimizer steps"""
     per_device_train_batch_size: int = setting(32, lambda v: v >= 1, "at least 1")
     """preference pairs per forward pass (a micro-batch), per process (each pair is two sequences)"""
@@ -57,9 +57,10 @@ class Config:
     """AdamW weight decay"""
     max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm"""
-    policy_prompts: int = setting(500, lambda v: v >= 0, "0 or more")
+    policy_prompts: int = setting(3000, lambda v: v >= 0, "0 or more")
     """prompts on which the --model policy samples answers that the checker labels, for extra pairs
-    (0 = the shipped pairs only; needs <answer> tags in the chosen answers)"""
+    (0 = the shipped pairs only; needs <answer> tags in the chosen answers). The default takes every shipped
+    training prompt: the more of the policy's own mistakes the reward model has seen, the less PPO can game it"""
     samples_per_prompt: int = setting(8, lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one")
     """policy samples per prompt; each wrong one is paired with a right one"""
     max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")

@@ -3,7 +3,7 @@ work through TRL's GRPOTrainer, one after the other on this machine. One command
 
     pip install -r benchmarks/requirements.txt     # trl: only the benchmark needs it
     python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
-    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~14 min),
+    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~20 min),
                                                    # then docs/compare.png: accuracy vs step and vs wall-clock
     python benchmarks/run.py --model path/to/model.gguf --steps 4 --rounds 1 -- \
         --per_device_train_batch_size 16 --num_generations 4     # grpo.py vs TRL on a real model, these settings
@@ -154,23 +154,9 @@ def main():
         with open(args.output or os.path.join(ROOT, "out/bench/chain.json"), "w") as f:
             json.dump(results, f, indent=1)
         print()  # and the figure of held-out accuracy vs step and vs wall-clock, from the runs' metrics.jsonl
-        subprocess.run(
-            [
-                sys.executable,
-                "docs/compare_runs.py",
-                "SFT=out/sft",
-                "PPO=out/ppo",
-                "GRPO=out/grpo",
-                "MIX=out/mix",
-                "--pipeline",
-                "--title",
-                "held-out accuracy, default runs, seed 0",
-                "--output",
-                args.figure,
-            ],
-            cwd=ROOT,
-            check=True,
-        )
+        subprocess.run([sys.executable, "docs/compare_runs.py", "SFT=out/sft", "PPO=out/ppo", "GRPO=out/grpo",
+                        "MIX=out/mix", "--pipeline", "--title", "held-out accuracy, default runs, seed 0",
+                        "--output", args.figure], cwd=ROOT, check=True)
         return
     runs = {name: [] for name in args.only}
     with tempfile.TemporaryDirectory() as workdir:

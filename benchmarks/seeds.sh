@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The classic chain (SFT -> reward model -> PPO) at its defaults, once per seed: how far apart seeds land.
-# About 9 minutes per seed on 2 CPU cores; each seed's runs go to out/seeds/<seed>/.
+# About 12 minutes per seed on 2 CPU cores; each seed's runs go to out/seeds/<seed>/.
 #
 #     bash benchmarks/seeds.sh 0 1 2
 set -euo pipefail

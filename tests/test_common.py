@@ -65,8 +65,8 @@ def test_format_tags_are_single_tokens_and_survive_decoding():
 
 def test_chat_template():
     tokenizer = common.build_tokenizer()
-    assert common.make_prompt(tokenizer,
-                              "What is 1 + 2?") == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = common.make_prompt(tokenizer, "What is 1 + 2?")
+    assert prompt == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     with_system = common.make_prompt(tokenizer, "Q", system_prompt="S")
     assert with_system == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
 

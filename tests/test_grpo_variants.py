@@ -175,22 +175,9 @@ def test_grpo_completions_jsonl_holds_what_was_trained_on(sft_checkpoint, tmp_pa
 def test_mix_and_ppo_write_completions_jsonl(sft_checkpoint, tmp_path):
     run_main("mix.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path / "mix"), *SHORT,
              "--log_completions_steps", "2")
-    run_main(
-        "ppo.py",
-        "--model",
-        sft_checkpoint,
-        "--reward_model",
-        "rule",
-        "--output_dir",
-        str(tmp_path / "ppo"),
-        *SHORT[:6],
-        "--per_device_train_batch_size",
-        "16",
-        "--eval_on_start",
-        "false",
-        "--log_completions_steps",
-        "1",
-    )
+    run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", "rule", "--output_dir", str(tmp_path / "ppo"),
+             *SHORT[:6], "--per_device_train_batch_size", "16", "--eval_on_start", "false",
+             "--log_completions_steps", "1")
     with open(tmp_path / "mix" / "completions.jsonl") as f:
         mix_rows = [json.loads(line) for line in f]
     assert len(mix_rows) == 24 and {row["step"] for row in mix_rows} == {2}  # the 24 rollouts, not the 8 expert rows

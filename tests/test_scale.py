@@ -160,36 +160,11 @@ def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
             "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path('grpo.py', run_name='__main__'); "
             "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))"
         )
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                code,
-                "grpo.py",
-                "--model",
-                folder,
-                "--output_dir",
-                str(tmp_path / name),
-                "--max_steps",
-                "2",
-                "--per_device_train_batch_size",
-                "16",
-                "--num_generations",
-                "4",
-                "--max_completion_length",
-                "16",
-                "--eval_steps",
-                "100",
-                "--num_eval_examples",
-                "2",
-                *extra,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env=env,
-        )
+        args = ["--model", folder, "--output_dir", str(tmp_path / name), "--max_steps", "2",
+                "--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "16",
+                "--eval_steps", "100", "--num_eval_examples", "2", *extra]
+        result = subprocess.run([sys.executable, "-c", code, "grpo.py", *args], cwd=ROOT, capture_output=True,
+                                text=True, timeout=600, env=env)
         assert result.returncode == 0, result.stderr[-2000:]
         peak[name] = int(result.stdout.split("PEAK_KB")[1].split()[0]) / 1024
     print(f"peak RSS of 2 GRPO steps, 34M parameters: full {peak['full']:.0f} MB, LoRA r=8 {peak['lora']:.0f} MB")

@@ -36,25 +36,9 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     (data / "train.jsonl").write_text("".join(rows))
     (data / "test.jsonl").write_text("".join(rows) * 16)
     out = str(tmp_path / "grpo")
-    run_main(
-        "grpo.py",
-        "--model",
-        sft_checkpoint,
-        "--dataset",
-        str(data),
-        "--output_dir",
-        out,
-        "--max_steps",
-        "30",
-        "--per_device_train_batch_size",
-        "64",
-        "--learning_rate",
-        "1e-4",
-        "--warmup_steps",
-        "2",
-        "--eval_steps",
-        "100",
-    )
+    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "30",
+             "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2",
+             "--eval_steps", "100")
     metrics = read_metrics(out)
     rows = [row for row in metrics if "reward" in row]
     assert len(rows) == 30
