@@ -66,6 +66,33 @@ def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
 
 
+def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, tmp_path):
+    """Multi-node torchrun on localhost: two "nodes" of one process each (their own torchrun, joined by
+    a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights."""
+    import socket
+
+    args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
+            "--num_generations", "4", "--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1"]
+    one_node = str(tmp_path / "one_node")
+    torchrun(*args, "--output_dir", one_node)
+    with socket.socket() as free:  # a free port for the rendezvous
+        free.bind(("localhost", 0))
+        port = free.getsockname()[1]
+    two_nodes = str(tmp_path / "two_nodes")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                               "1", "--node_rank", str(rank), "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                               f"localhost:{port}", "--rdzv_id", "two_nodes", *args, "--output_dir", two_nodes],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(output[-2000:] for output in outputs)
+    same = lambda row: {k: v for k, v in row.items() if not k.startswith("time")}  # noqa: E731
+    assert [same(r) for r in read_metrics(two_nodes)] == [same(r) for r in read_metrics(one_node)]
+    one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (one_node, two_nodes))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)  # same operations, same order
+
+
 # --- LoRA --------------------------------------------------------------------------------------
 class LoraConfig:
     lora_r, lora_alpha, lora_dropout, lora_target_modules = 8, 16.0, 0.0, "all-linear"
