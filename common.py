@@ -161,8 +161,9 @@ def average_gradients(model):
     backward pass): every process holds the same weights and backpropagates its own share of
     the batch; averaging the gradients over processes gives every process the same update, so
     the weights stay identical. Token means divide by token_count(), which makes this average
-    exactly the gradient of one loss over the whole global batch. Call it after backward()."""
-    if dist.is_initialized():
+    exactly the gradient of one loss over the whole global batch. Call it after backward().
+    A sharded model (--fsdp) needs nothing here: FSDP averaged its gradients in the backward pass."""
+    if dist.is_initialized() and not is_sharded(model):
         for param in model.parameters():
             if param.grad is not None:
                 dist.all_reduce(param.grad)  # sum over processes (gloo has no AVG)
@@ -194,6 +195,85 @@ def reduce_metrics(metrics: dict) -> dict:
         return metrics
     values = global_sum(torch.tensor([metrics[key] for key in keys], dtype=torch.float64, device=get_device()))
     return {**metrics, **{key: value / dist.get_world_size() for key, value in zip(keys, values.tolist())}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded data parallelism (--fsdp): weights, gradients and AdamW states split over the processes
+# ---------------------------------------------------------------------------------------------
+def check_fsdp(cfg, world_size: int):
+    """--fsdp shards over processes, so it needs torchrun; LoRA with it is refused (untested here)."""
+    if cfg.fsdp and cfg.lora_r is not None:
+        fail("--fsdp with --lora_r is not supported (untested with peft): use one of the two")
+    if cfg.fsdp and world_size == 1:
+        fail("--fsdp shards the model over processes: run the script under torchrun --nproc_per_node 2 (or more)")
+
+
+def shard_model(model):
+    """FSDP (torch's fully_shard, "FSDP2"; DeepSpeed's ZeRO stage 3): each of the N processes keeps
+    1/N of every weight (a DTensor shard), hence 1/N of its gradient and of AdamW's two moments.
+    Before a unit's forward (and again before its backward) the processes all-gather its full
+    weights, and free them after; its gradient is reduce-scattered, averaged over the processes as
+    average_gradients does for data parallelism, so each keeps the mean gradient of its own shard
+    and AdamW updates only that shard. The units: each decoder layer, then the rest (embeddings,
+    final norm and the head), so at most one layer's full weights are gathered at a time.
+    A scalar head (reward model, critic) is called apart from its transformer (last_hidden_states,
+    then .score), so the transformer and the head are units of their own.
+    Call it after broadcast_weights and before building the optimizer (it must hold the shards)."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_classes = model._no_split_modules or ()  # what transformers never splits: e.g. LlamaDecoderLayer
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        fail(f"--fsdp: {type(model).__name__} names no decoder layer class (_no_split_modules) to shard by")
+    # reshard_after_forward=True everywhere (torch keeps the root's weights gathered by default): between
+    # passes every process holds only its shards.
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=True)
+    if hasattr(model, "score"):  # scalar head: see last_hidden_states
+        fully_shard(model.base_model, reshard_after_forward=True)
+        fully_shard(model.score, reshard_after_forward=True)
+    else:
+        fully_shard(model, reshard_after_forward=True)
+    return model
+
+
+def is_sharded(model) -> bool:
+    """Whether shard_model has split this model over the processes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """A sharded model with its full weights on every process for the duration, gathered once:
+    for the rollout and for evaluation, where a per-unit gather would repeat at every token, and
+    where processes run different numbers of forward passes (a batch stops at its own longest
+    completion), which sharded passes cannot do, since every gather needs all the processes.
+    Holds one full copy of the weights meanwhile. Does nothing to a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()  # all-gather this unit's weights
+    try:
+        yield model
+    finally:
+        for unit in units:
+            unit.reshard()  # free them: back to this process's shards
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def full_state_dict(model) -> dict:
+    """The whole weights of a sharded model, gathered onto the CPU of every process (to save them).
+    A tied weight (an LM head that shares the embedding matrix) is kept once, under its first name,
+    as save_pretrained keeps it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {name: tensor for name, tensor in weights.items() if name in names}
 
 
 def log(message: str):
@@ -381,7 +461,8 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
     crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
     is the adapter only (adapter_config.json names the base model; load_model merges them), and
     with merge_lora also the adapter merged into a copy of its base, in <output_dir>/merged.
-    Rank 0 only."""
+    Rank 0 writes; a sharded model (--fsdp) is first gathered whole, from every process."""
+    state_dict = full_state_dict(model) if is_sharded(model) else None  # FSDP: every process sends its shards
     if not is_main_process():
         return
     if merge_lora and hasattr(model, "merge_and_unload"):
@@ -391,7 +472,8 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
     shutil.rmtree(tmp, ignore_errors=True)
     # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
     # whether to save the embeddings too (a .gguf base has none, and peft would warn).
-    model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}))
+    model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}),
+                          **(dict(state_dict=state_dict) if state_dict is not None else {}))
     tokenizer.save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
@@ -490,7 +572,9 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
 
     Written whole into checkpoint.tmp, then renamed to checkpoint.new; check_finite promotes it
     to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
-    checkpoint (newest_checkpoint finds it)."""
+    checkpoint (newest_checkpoint finds it). With --fsdp every process writes the shards of the
+    weights and AdamW states it holds, into checkpoint.tmp/sharded (torch.distributed.checkpoint:
+    the output folder must be one that every machine sees); rank 0 writes the rest."""
     generators = {"python": random.getstate(),
                   "numpy": [np.random.get_state()[1].tolist(),
                             *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
@@ -500,24 +584,40 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
         dist.all_gather_object(all_generators, generators)
     else:
         all_generators = [generators]
-    if not is_main_process():
-        return
-    _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        metrics = f.readlines()
-    state = {"step": step, "results": results, "generators": all_generators, "metrics": metrics,
-             "models": [m.state_dict() for m in models], "optimizers": [o.state_dict() for o in optimizers],
-             "schedulers": [s.state_dict() for s in schedulers]}
-    tmp = os.path.join(run_dir, "checkpoint.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    sharded, tmp = is_sharded(models[0]), os.path.join(run_dir, "checkpoint.tmp")
     try:
-        os.makedirs(tmp)
+        if is_main_process():
+            _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        if sharded:  # FSDP: each process its own shards; save() returns once all of them are written
+            import torch.distributed.checkpoint as dcp
+
+            dist.barrier()  # checkpoint.tmp exists before anyone writes into it
+            dcp.save(_sharded_state(models, optimizers), checkpoint_id=os.path.join(tmp, "sharded"))
+        if not is_main_process():
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            metrics = f.readlines()
+        state = {"step": step, "results": results, "generators": all_generators, "metrics": metrics,
+                 "models": [] if sharded else [m.state_dict() for m in models],
+                 "optimizers": [] if sharded else [o.state_dict() for o in optimizers],
+                 "schedulers": [s.state_dict() for s in schedulers]}
         torch.save(state, os.path.join(tmp, "state.pt"))
         write_json(os.path.join(tmp, RUN_FILE), run_record(cfg))
     except OSError as error:  # e.g. a full disk: the checkpoints before this one stay as they were
         shutil.rmtree(tmp, ignore_errors=True)
         fail(f"could not write a checkpoint to {tmp} ({error.strerror or error})")
     os.rename(tmp, os.path.join(run_dir, "checkpoint.new"))
+
+
+def _sharded_state(models, optimizers) -> dict:
+    """The weights and AdamW states of sharded models (this process's shards), named as
+    torch.distributed.checkpoint saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {**{f"model_{i}": get_model_state_dict(m) for i, m in enumerate(models)},
+            **{f"optimizer_{i}": get_optimizer_state_dict(m, o) for i, (m, o) in enumerate(zip(models, optimizers))}}
 
 
 def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
@@ -530,6 +630,15 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tu
     except Exception as error:
         fail(f"{path}/state.pt cannot be read ({_first_line(error)}): it was damaged after it was written; "
              "start a new run (--overwrite_output_dir true)")
+    if is_sharded(models[0]):  # FSDP: each process reads its own shards
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        sharded = _sharded_state(models, optimizers)  # the shapes to read into
+        dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"))
+        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+            set_model_state_dict(model, sharded[f"model_{i}"])
+            set_optimizer_state_dict(model, optimizer, sharded[f"optimizer_{i}"])
     for model, saved in zip(models, state["models"]):
         model.load_state_dict(saved)
     for optimizer, saved in zip(optimizers, state["optimizers"]):
@@ -605,7 +714,7 @@ def autocast(model):
 
 
 def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_length: int = 0,
-                    completion_length: int = 0, gradient_checkpointing: bool = False) -> str:
+                    completion_length: int = 0, gradient_checkpointing: bool = False, shards: int = 1) -> str:
     """Note 002's memory table for this run, in GiB: the weights; gradients and AdamW's two
     moments, fp32, for each *trained* parameter (all of them, or with LoRA only the adapters);
     frozen copies (reference policy, reward model). Then, when the micro-batch is given (rows of
@@ -621,14 +730,22 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
       logits       2 x rows x completion_length x vocabulary floats: the logits, and the softmax
                    the log-sum-exp's backward makes from them
 
-    An upper bound for GRPO, whose prompt_cache runs each distinct prompt once, not once per row."""
+    An upper bound for GRPO, whose prompt_cache runs each distinct prompt once, not once per row.
+
+    With --fsdp over `shards` processes, each holds 1/shards of the weights, gradients, AdamW moments
+    and frozen copies, plus the first trained model's full weights while it generates (gathered
+    for the rollout and evaluation): an upper bound, since those full weights and the backward's
+    activations are not held at once. The activations are per process, as before."""
     weights = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
     trained = sum(p.numel() for m in trained_models for p in m.parameters() if p.requires_grad)
     total = sum(p.numel() for m in trained_models for p in m.parameters())
-    table = [("weights of the trained model(s)", sum(weights(m) for m in trained_models)),
-             (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M)", 4 * trained),
-             ("AdamW moments (2 x fp32 per trained parameter)", 8 * trained),
-             ("frozen copies (reference, reward model)", sum(weights(m) for m in frozen_models))]
+    per = f" / {shards} (sharded)" if shards > 1 else ""
+    table = [(f"weights of the trained model(s){per}", sum(weights(m) for m in trained_models) / shards),
+             (f"gradients ({trained / 1e6:.2f}M trained parameters of {total / 1e6:.2f}M){per}", 4 * trained / shards),
+             (f"AdamW moments (2 x fp32 per trained parameter){per}", 8 * trained / shards),
+             (f"frozen copies (reference, reward model){per}", sum(weights(m) for m in frozen_models) / shards)]
+    if shards > 1 and trained_models:
+        table.append(("the model's full weights, gathered to generate", weights(trained_models[0])))
     if rows and trained_models:
         c = trained_models[0].config
         c = getattr(c, "text_config", None) or c
@@ -955,8 +1072,9 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # one pass over prompt + completion
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
+        # One pass over prompt + completion; always so with gradient checkpointing, and under --fsdp,
+        # where every process must run the same passes (each pass gathers weights from all of them).
+        if model.is_activation_checkpointing or is_sharded(model) or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -999,17 +1117,18 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
         dataset = dataset.shard(dist.get_world_size(), dist.get_rank(), contiguous=True)
     correct_greedy = correct_sampled = 0
     rows_per_batch = max(1, batch_size // samples_per_problem)
-    for start in range(0, len(dataset), rows_per_batch):
-        batch = dataset[start : start + rows_per_batch]
-        prompts = [make_prompt(tokenizer, q, system_prompt) for q in batch["question"]]
-        *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, batch["answer"]))
-        repeated = [p for p in prompts for _ in range(samples_per_problem)]
-        *_, completion_ids, _ = generate(model, tokenizer, repeated, max_new_tokens, temperature=1.0)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        answers = [a for a in batch["answer"] for _ in range(samples_per_problem)]
-        correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
+    with gathered(model):  # --fsdp: the full weights, gathered once for the whole evaluation
+        for start in range(0, len(dataset), rows_per_batch):
+            batch = dataset[start : start + rows_per_batch]
+            prompts = [make_prompt(tokenizer, q, system_prompt) for q in batch["question"]]
+            *_, completion_ids, _ = generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, batch["answer"]))
+            repeated = [p for p in prompts for _ in range(samples_per_problem)]
+            *_, completion_ids, _ = generate(model, tokenizer, repeated, max_new_tokens, temperature=1.0)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            answers = [a for a in batch["answer"] for _ in range(samples_per_problem)]
+            correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()
     counts = (len(dataset), correct_greedy, correct_sampled)
     n, correct_greedy, correct_sampled = (int(global_sum(float(x))) for x in counts)

@@ -121,6 +121,10 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the weights of the policy and the reference, and the gradients and AdamW states, over
+    the processes (FSDP2), instead of a full copy on each (data parallelism); the saved model is whole, resumable
+    checkpoints are sharded"""
     save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
@@ -219,8 +223,9 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with common.autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # one pass over prompt + completion
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
+        # One pass over prompt + completion; always so with gradient checkpointing, and under --fsdp,
+        # where every process must run the same passes (each pass gathers weights from all of them).
+        if model.is_activation_checkpointing or common.is_sharded(model) or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -441,6 +446,7 @@ def main(cfg: Config):
         if getattr(cfg, name) not in choices:
             common.fail(f"--{name} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}")
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.check_fsdp(cfg, world_size)
     common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
     G = cfg.num_generations
@@ -471,10 +477,15 @@ def main(cfg: Config):
     # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
     # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
+        common.shard_model(model)
+        if ref_model is not None:
+            common.shard_model(ref_model)
     common.log(common.memory_estimate([model], [ref_model] if ref_model else [], rows=cfg.per_device_train_batch_size,
                                       sequence_length=longest + cfg.max_completion_length,
                                       completion_length=cfg.max_completion_length,
-                                      gradient_checkpointing=cfg.gradient_checkpointing))
+                                      gradient_checkpointing=cfg.gradient_checkpointing,
+                                      shards=world_size if cfg.fsdp else 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     total_updates = cfg.max_steps * cfg.num_iterations
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates,
@@ -510,9 +521,10 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
-            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-        )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+        with common.gathered(model):  # --fsdp: the full weights, gathered once for the whole rollout
+            prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
+                model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+            )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.

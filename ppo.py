@@ -116,6 +116,10 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the weights of all four models, and the gradients and AdamW states, over the processes
+    (FSDP2), instead of a full copy on each (data parallelism); the saved models are whole, resumable checkpoints
+    are sharded"""
     log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, scores, rewards and mean advantages to
     completions.jsonl (0 = never)"""
@@ -217,8 +221,9 @@ def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float,
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
     with common.autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # one pass over prompt + completion
-        if model.is_activation_checkpointing or not prompts_repeat(input_ids[:, :-T]):
+        # One pass over prompt + completion; always so with gradient checkpointing, and under --fsdp,
+        # where every process must run the same passes (each pass gathers weights from all of them).
+        if model.is_activation_checkpointing or common.is_sharded(model) or not prompts_repeat(input_ids[:, :-T]):
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                            logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
         else:  # the last prompt position predicts the first completion token; the completion the rest
@@ -298,7 +303,9 @@ def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: in
     total = 0.0
     for start in range(0, len(questions), batch_size):
         prompts = [common.make_prompt(tokenizer, q, system_prompt) for q in questions[start : start + batch_size]]
-        prompt_ids, prompt_mask, completion_ids, mask = generate(actor, tokenizer, prompts, max_new_tokens, greedy=True)
+        with common.gathered(actor):  # --fsdp: the full weights, gathered once per batch
+            prompt_ids, prompt_mask, completion_ids, mask = generate(actor, tokenizer, prompts, max_new_tokens,
+                                                                     greedy=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
         total += reward_scores(reward_model, input_ids, attention_mask).sum().item()
     actor.train()
@@ -452,6 +459,7 @@ def main(cfg: Config):
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_mini_batches ({cfg.num_mini_batches})")
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.check_fsdp(cfg, world_size)
     common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
     device = common.get_device()
 
@@ -500,7 +508,12 @@ def main(cfg: Config):
         critic = common.add_lora(critic, cfg, scalar_head=True)
     critic.to(device).train()
     common.broadcast_weights(critic)  # DDP: the same starting weights everywhere (a fresh value head is random)
-    common.log(common.memory_estimate([actor, critic], [m for m in (reference, reward_model) if m is not None]))
+    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
+        for model in (actor, reference, critic, reward_model):
+            if model is not None:
+                common.shard_model(model)
+    common.log(common.memory_estimate([actor, critic], [m for m in (reference, reward_model) if m is not None],
+                                      shards=world_size if cfg.fsdp else 1))
 
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
@@ -547,9 +560,10 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), step_batch)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
-        prompt_ids, prompt_mask, completion_ids, mask = generate(
-            actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-        )  # [B, P], [B, P], [B, T], [B, T]
+        with common.gathered(actor):  # --fsdp: the full weights, gathered once for the whole rollout
+            prompt_ids, prompt_mask, completion_ids, mask = generate(
+                actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+            )  # [B, P], [B, P], [B, T], [B, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]

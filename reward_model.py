@@ -88,6 +88,9 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the model's weights, gradients and AdamW states over the processes (FSDP2), instead
+    of a full copy on each (data parallelism); the saved model is whole, resumable checkpoints are sharded"""
     save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
@@ -182,11 +185,13 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
     Under torchrun each process scores its own share of the pairs and the counts are summed."""
     model.eval()
     margins = []
-    for start in range(0, len(pairs), batch_size):
-        batch = pairs[start : start + batch_size]
-        input_ids, attention_mask = collate(batch, pad_id)
-        chosen, rejected = sequence_scores(model, input_ids.to(model.device), attention_mask.to(model.device)).chunk(2)
-        margins.append(chosen - rejected)
+    with common.gathered(model):  # --fsdp: the full weights once (processes may hold a different number of batches)
+        for start in range(0, len(pairs), batch_size):
+            batch = pairs[start : start + batch_size]
+            input_ids, attention_mask = collate(batch, pad_id)
+            chosen, rejected = sequence_scores(model, input_ids.to(model.device),
+                                               attention_mask.to(model.device)).chunk(2)
+            margins.append(chosen - rejected)
     model.train()
     margins = torch.cat(margins)
     n, correct, margin_sum = (common.global_sum(float(x)) for x in (len(margins), (margins > 0).sum(), margins.sum()))
@@ -198,6 +203,7 @@ def main(cfg: Config):
     inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
     run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.check_fsdp(cfg, world_size)
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
     columns = ("prompt", "chosen", "rejected")
@@ -216,6 +222,8 @@ def main(cfg: Config):
         model = common.add_lora(model, cfg, scalar_head=True)
     model.to(device).train()
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
+    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
+        common.shard_model(model)
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
     # DDP: a share each
@@ -242,7 +250,8 @@ def main(cfg: Config):
         del policy
         train_pairs += tokenize_pairs(tokenizer, extra, cfg.system_prompt, cfg.max_length)
         policy_test_pairs = tokenize_pairs(tokenizer, held_out, cfg.system_prompt, cfg.max_length)
-    common.log(f"{common.memory_estimate([model])}\nreward model: {len(train_pairs)} training pairs "
+    memory = common.memory_estimate([model], shards=world_size if cfg.fsdp else 1)
+    common.log(f"{memory}\nreward model: {len(train_pairs)} training pairs "
                f"({len(train_pairs) - num_shipped} from the policy), {len(test_pairs)} held-out pairs "
                f"(+{len(policy_test_pairs)} from the policy), device {device}, {world_size} process(es)")
 

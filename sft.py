@@ -84,6 +84,9 @@ class Config:
     """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the model's weights, gradients and AdamW states over the processes (FSDP2), instead
+    of a full copy on each (data parallelism); the saved model is whole, resumable checkpoints are sharded"""
     save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
@@ -144,6 +147,7 @@ def collate(examples, pad_id: int):
 
 
 @torch.no_grad()
+@torch.no_grad()
 def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
     """The token-mean NLL of held-out answers (for data without a number to check)."""
     model.eval()
@@ -163,6 +167,7 @@ def main(cfg: Config):
     inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
     run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
     rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
+    common.check_fsdp(cfg, world_size)
     common.set_seed(cfg.seed + rank)  # each process draws its own batches
     device = common.get_device()
 
@@ -190,6 +195,8 @@ def main(cfg: Config):
         model = common.add_lora(model, cfg)
     model.to(device).train()
     common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights
+    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
+        common.shard_model(model)
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # examples per step, per process
@@ -204,7 +211,7 @@ def main(cfg: Config):
                f"{world_size} process(es)\n" + common.memory_estimate(
                    [model], rows=cfg.per_device_train_batch_size,
                    sequence_length=max(len(p) + len(a) for p, a in examples),
-                   completion_length=max(len(a) for _, a in examples)))
+                   completion_length=max(len(a) for _, a in examples), shards=world_size if cfg.fsdp else 1))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)

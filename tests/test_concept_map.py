@@ -82,7 +82,7 @@ REQUIRED_FUNCTIONS = {
     "grpo.py": ["generate", "completion_logprobs", "group_advantages", "kl_k3", "grpo_loss", "correctness_reward",
                 "format_reward", "main"],
     "mix.py": ["mix_loss", "sft_loss", "load_expert_examples", "append_rows", "main"],
-    "common.py": ["reference_model", "memory_estimate", "add_lora", "setup_distributed"],
+    "common.py": ["reference_model", "memory_estimate", "add_lora", "setup_distributed", "shard_model", "gathered"],
 }
 
 WHERE = re.compile(

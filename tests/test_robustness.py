@@ -132,6 +132,8 @@ CASES = [
     (RL, ["--dataset", "{long_prompt}", "--max_completion_length", "64"], "more than the model's context of 1024"),
     (ALL, ["--system_prompt", "{huge}"], "--system_prompt needs"),
     (["ppo.py"], ["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
+    (ALL, ["--fsdp", "true"], "--fsdp shards the model over processes: run the script under torchrun"),
+    (ALL, ["--fsdp", "true", "--lora_r", "8"], "--fsdp with --lora_r is not supported"),
     # the output folder and --resume
     (ALL, ["--overwrite_output_dir", "false"], "already holds a run"),
     (ALL, ["--model", "{out}"], "holds --model"),

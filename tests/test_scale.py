@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 import common
 import grpo
 from conftest import ROOT, read_metrics, run, run_main
-from floats import assert_close, tolerance
+from floats import assert_close, forward_terms, tolerance
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
 
@@ -25,13 +25,16 @@ def torchrun(*args, nproc=2):
 
 
 # --- torchrun ----------------------------------------------------------------------------------
-def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_two_process_losses_and_gradients_equal_one_process(tmp_path, parallelism):
     """Token means over the global batch: 2 processes on halves of a batch (3 and 21 tokens) give
     the loss and the averaged gradient of 1 process on all of it, for every loss of the scripts,
-    to float32 rounding. A per-process token mean (the usual mistake) misses by orders of magnitude."""
+    to float32 rounding: with data parallelism (average_gradients) and with the model sharded
+    (FSDP reduces the gradients, each process keeps its shard; gathered here to compare).
+    A per-process token mean (the usual mistake) misses by orders of magnitude."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run(os.path.join(HELPERS, "ddp_losses.py"), one)
-    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two)
+    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, *(["--fsdp"] if parallelism == "fsdp" else []))
     one, two = torch.load(one), torch.load(two)
     for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor", "mix_dapo"):
         # each gradient entry sums over the batch's positions (and the two halves add in another order)
@@ -91,6 +94,87 @@ def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, t
     assert [same(r) for r in read_metrics(two_nodes)] == [same(r) for r in read_metrics(one_node)]
     one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (one_node, two_nodes))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)  # same operations, same order
+
+
+# --- FSDP (--fsdp): weights, gradients and AdamW states sharded over the processes --------------
+def _same_up_to_rounding(a, b, terms):
+    """Two runs that compute the same sums in another order (FSDP gathers, reduce-scatters and runs
+    GRPO's groups without the prompt cache; DDP all-reduces): the same metrics, timings aside, and
+    the same saved weights, to float32 rounding of `terms`-term sums. The sampled tokens, rewards
+    and accuracies come out equal; a wrong gradient would show in grad_norm, a wrongly gathered
+    checkpoint in the weights."""
+    rows_a, rows_b = read_metrics(a), read_metrics(b)
+    assert [sorted(r) for r in rows_a] == [sorted(r) for r in rows_b]
+    for row_a, row_b in zip(rows_a, rows_b):
+        for key in row_a:
+            if not key.startswith("time"):  # scale: a loss sums terms of size ~1 (advantages, ratios)
+                assert_close(row_a[key], row_b[key], terms=terms, scale=max(abs(row_b[key]), 1.0),
+                             msg=f"step {row_b['step']} {key}")
+    for name in ("model.safetensors", "critic/model.safetensors"):
+        if os.path.isfile(os.path.join(b, name)):
+            weights_a, weights_b = (load_file(os.path.join(out, name)) for out in (a, b))
+            assert weights_a.keys() == weights_b.keys(), name  # a tied LM head saved once, as save_pretrained does
+            for key in weights_b:
+                assert_close(weights_a[key], weights_b[key], terms=terms, msg=f"{name} {key}")
+
+
+FSDP_SHORT = ["--eval_steps", "100", "--num_eval_examples", "9", "--warmup_steps", "1"]  # 9: 5 + 4 held-out problems
+FSDP_RUNS = {
+    "sft.py": ["--max_steps", "3", "--per_device_train_batch_size", "8"],
+    "reward_model.py": ["--max_steps", "3", "--per_device_train_batch_size", "8", "--policy_prompts", "16",
+                        "--samples_per_prompt", "2", "--eval_steps", "3"],
+    "grpo.py": ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"],
+    "mix.py": ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"],
+    "ppo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8"],
+}
+
+
+@pytest.mark.parametrize("script", list(FSDP_RUNS))
+def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_short, tmp_path, script):
+    """Every script under torchrun with --fsdp: the same metrics and weights as the same two-process
+    run with data parallelism (which the test above and test_torchrun_* tie to one process on the
+    whole batch), to float32 rounding; the start-up memory table divides the sharded rows by 2."""
+    args = [script, "--model", sft_checkpoint, *FSDP_RUNS[script], *FSDP_SHORT,
+            *(["--reward_model", rm_short] if script == "ppo.py" else [])]
+    ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
+    torchrun(*args, "--output_dir", ddp)
+    result = torchrun(*args, "--output_dir", fsdp, "--fsdp", "true")
+    assert "/ 2 (sharded)" in result.stdout + result.stderr
+    config = common.load_model(fsdp, scalar_head=script == "reward_model.py")[0].config
+    # the longest sums: a forward pass, then a gradient entry over the global batch's tokens
+    # (2 processes x at most 16 rows x at most 100 tokens of prompt and completion)
+    _same_up_to_rounding(fsdp, ddp, terms=forward_terms(config) + 2 * 16 * 100)
+
+
+def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpoint, tmp_path):
+    """--fsdp writes its resumable checkpoints sharded (each process its own part of the weights and
+    AdamW states, torch.distributed.checkpoint). A run killed after its step-2 checkpoint, then
+    resumed, ends bit for bit as the unbroken run: metrics and weights."""
+    import signal
+    import time
+
+    args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "6", "--save_steps", "2", "--fsdp", "true",
+            "--per_device_train_batch_size", "16", "--num_generations", "4", *FSDP_SHORT]
+    unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
+    torchrun(*args, "--output_dir", unbroken)
+    assert sorted(os.listdir(os.path.join(unbroken, "checkpoint", "sharded"))) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file of shards per process
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args,
+               "--output_dir", broken]
+    run_ = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics, deadline = os.path.join(broken, "metrics.jsonl"), time.time() + 300
+    while not (os.path.isfile(metrics) and len(open(metrics).readlines()) >= 5):  # step 4 logged: past step 2's save
+        assert run_.poll() is None and time.time() < deadline, "the run ended before the kill point"
+        time.sleep(0.001)
+    os.killpg(run_.pid, signal.SIGKILL)  # torchrun and both processes, wherever they were
+    run_.wait()
+    result = torchrun(*args, "--output_dir", broken, "--resume", "true")
+    assert "resumed from" in result.stdout + result.stderr
+    same = lambda row: {k: v for k, v in row.items() if not k.startswith("time")}  # noqa: E731
+    assert [same(r) for r in read_metrics(broken)] == [same(r) for r in read_metrics(unbroken)]
+    one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (unbroken, broken))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
 # --- LoRA --------------------------------------------------------------------------------------

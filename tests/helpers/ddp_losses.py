@@ -3,7 +3,8 @@
 
 The rows have very different completion lengths, so a token mean over each slice would differ
 from the token mean over the batch: only the global normalisation (common.token_count) agrees.
-"dapo_local_mean" is the mistake the test must catch: each process divides by its own token count."""
+"dapo_local_mean" is the mistake the test must catch: each process divides by its own token count.
+With --fsdp (argv[2]) the model is sharded (common.shard_model) and FSDP reduces the gradients."""
 import os
 import sys
 
@@ -20,6 +21,8 @@ rank, world_size = common.setup_distributed()
 torch.manual_seed(0)
 tokenizer = common.build_tokenizer()
 model = common.build_tiny_model(tokenizer)
+if sys.argv[2:] == ["--fsdp"]:
+    common.shard_model(model)
 lengths = [1, 2, 9, 12]  # short completions first: with 2 processes, rank 0 gets 3 tokens, rank 1 gets 21
 examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"],
              list(range(40, 40 + n)))
@@ -36,6 +39,13 @@ losses = {
     "mix_dapo": lambda lp, m, a: mix.mix_loss(lp, lp.detach(), None, a, m, expert[share], 0.5, 0.2, 0.0, "dapo"),
     "dapo_local_mean": lambda lp, m, a: (-a[:, None] * lp * m).sum() / m.sum(),  # wrong under torchrun, on purpose
 }
+
+
+def whole(grad):
+    """A gradient as one tensor: a sharded one (a DTensor, under --fsdp) gathered from every process."""
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+
+
 results = {}
 for name, loss_fn in losses.items():
     model.zero_grad(set_to_none=True)
@@ -44,7 +54,7 @@ for name, loss_fn in losses.items():
     loss.backward()
     common.average_gradients(model)
     results[name] = {"loss": common.global_sum(loss.item()) / world_size,
-                     "grad": torch.cat([p.grad.flatten() for p in model.parameters()]),
+                     "grad": torch.cat([whole(p.grad).flatten() for p in model.parameters()]),
                      "terms": input_ids.numel()}  # positions summed into a weight's gradient
 if common.is_main_process():
     torch.save(results, sys.argv[1])
