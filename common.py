@@ -201,9 +201,10 @@ def reduce_metrics(metrics: dict) -> dict:
 # Sharded data parallelism (--fsdp): weights, gradients and AdamW states split over the processes
 # ---------------------------------------------------------------------------------------------
 def check_fsdp(cfg, world_size: int):
-    """--fsdp shards over processes, so it needs torchrun; LoRA with it is refused (untested here)."""
-    if cfg.fsdp and cfg.lora_r is not None:
-        fail("--fsdp with --lora_r is not supported (untested with peft): use one of the two")
+    """--fsdp shards over processes, so it needs torchrun; --merge_lora would need the whole model on one process."""
+    if cfg.fsdp and cfg.merge_lora:
+        fail("--merge_lora does not work with --fsdp: the adapter is saved alone, and every script's --model "
+             "merges it into its base when loading")
     if cfg.fsdp and world_size == 1:
         fail("--fsdp shards the model over processes: run the script under torchrun --nproc_per_node 2 (or more)")
 
@@ -217,7 +218,8 @@ def shard_model(model):
     and AdamW updates only that shard. The units: each decoder layer, then the rest (embeddings,
     final norm and the head), so at most one layer's full weights are gathered at a time.
     A scalar head (reward model, critic) is called apart from its transformer (last_hidden_states,
-    then .score), so the transformer and the head are units of their own.
+    then .score), so the transformer and the head are units of their own. With LoRA the frozen
+    base weights are sharded as well, beside the adapters.
     Call it after broadcast_weights and before building the optimizer (it must hold the shards)."""
     from torch.distributed.fsdp import fully_shard
 
@@ -229,9 +231,10 @@ def shard_model(model):
     # passes every process holds only its shards.
     for layer in layers:
         fully_shard(layer, reshard_after_forward=True)
-    if hasattr(model, "score"):  # scalar head: see last_hidden_states
-        fully_shard(model.base_model, reshard_after_forward=True)
-        fully_shard(model.score, reshard_after_forward=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wraps it
+    if hasattr(base, "score"):  # scalar head: see last_hidden_states
+        fully_shard(base.base_model, reshard_after_forward=True)
+        fully_shard(base.score, reshard_after_forward=True)
     else:
         fully_shard(model, reshard_after_forward=True)
     return model
@@ -266,7 +269,8 @@ def gathered(model):
 
 
 def full_state_dict(model) -> dict:
-    """The whole weights of a sharded model, gathered onto the CPU of every process (to save them).
+    """The whole weights of a sharded model, gathered onto rank 0's CPU (to save them; the other
+    processes send their shards and get an empty dict).
     A tied weight (an LM head that shares the embedding matrix) is kept once, under its first name,
     as save_pretrained keeps it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -1117,7 +1121,7 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
         dataset = dataset.shard(dist.get_world_size(), dist.get_rank(), contiguous=True)
     correct_greedy = correct_sampled = 0
     rows_per_batch = max(1, batch_size // samples_per_problem)
-    with gathered(model):  # --fsdp: the full weights, gathered once for the whole evaluation
+    with gathered(model):  # FSDP: the full weights, gathered once for the whole evaluation
         for start in range(0, len(dataset), rows_per_batch):
             batch = dataset[start : start + rows_per_batch]
             prompts = [make_prompt(tokenizer, q, system_prompt) for q in batch["question"]]

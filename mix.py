@@ -662,7 +662,7 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-        with common.gathered(model):  # --fsdp: the full weights, gathered once for the whole rollout
+        with common.gathered(model):  # FSDP: the full weights, gathered once for the whole rollout
             prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
                 model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
             )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]

@@ -303,7 +303,7 @@ def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: in
     total = 0.0
     for start in range(0, len(questions), batch_size):
         prompts = [common.make_prompt(tokenizer, q, system_prompt) for q in questions[start : start + batch_size]]
-        with common.gathered(actor):  # --fsdp: the full weights, gathered once per batch
+        with common.gathered(actor):  # FSDP: the full weights, gathered once per batch
             prompt_ids, prompt_mask, completion_ids, mask = generate(actor, tokenizer, prompts, max_new_tokens,
                                                                      greedy=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
@@ -560,7 +560,7 @@ def main(cfg: Config):
         t0 = time.perf_counter()
         step_data = train_data[rng.sample(range(len(train_data)), step_batch)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
-        with common.gathered(actor):  # --fsdp: the full weights, gathered once for the whole rollout
+        with common.gathered(actor):  # FSDP: the full weights, gathered once for the whole rollout
             prompt_ids, prompt_mask, completion_ids, mask = generate(
                 actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
             )  # [B, P], [B, P], [B, T], [B, T]

@@ -185,7 +185,7 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
     Under torchrun each process scores its own share of the pairs and the counts are summed."""
     model.eval()
     margins = []
-    with common.gathered(model):  # --fsdp: the full weights once (processes may hold a different number of batches)
+    with common.gathered(model):  # FSDP: the full weights once (processes may hold a different number of batches)
         for start in range(0, len(pairs), batch_size):
             batch = pairs[start : start + batch_size]
             input_ids, attention_mask = collate(batch, pad_id)

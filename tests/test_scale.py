@@ -102,7 +102,10 @@ def _same_up_to_rounding(a, b, terms):
     GRPO's groups without the prompt cache; DDP all-reduces): the same metrics, timings aside, and
     the same saved weights, to float32 rounding of `terms`-term sums. The sampled tokens, rewards
     and accuracies come out equal; a wrong gradient would show in grad_norm, a wrongly gathered
-    checkpoint in the weights."""
+    checkpoint in the weights. The weights' scale is the largest weight of the file: AdamW divides
+    each gradient entry by its own running size, so where an entry is within rounding of zero the
+    two runs' updates of that weight can differ by up to the learning rate, which LoRA's B (grown
+    from 0 by those updates alone) would show against a scale of its own size."""
     rows_a, rows_b = read_metrics(a), read_metrics(b)
     assert [sorted(r) for r in rows_a] == [sorted(r) for r in rows_b]
     for row_a, row_b in zip(rows_a, rows_b):
@@ -110,40 +113,66 @@ def _same_up_to_rounding(a, b, terms):
             if not key.startswith("time"):  # scale: a loss sums terms of size ~1 (advantages, ratios)
                 assert_close(row_a[key], row_b[key], terms=terms, scale=max(abs(row_b[key]), 1.0),
                              msg=f"step {row_b['step']} {key}")
-    for name in ("model.safetensors", "critic/model.safetensors"):
+    for name in ("model.safetensors", "critic/model.safetensors", "adapter_model.safetensors",
+                 "critic/adapter_model.safetensors"):
         if os.path.isfile(os.path.join(b, name)):
             weights_a, weights_b = (load_file(os.path.join(out, name)) for out in (a, b))
             assert weights_a.keys() == weights_b.keys(), name  # a tied LM head saved once, as save_pretrained does
+            scale = max(w.abs().max().item() for w in weights_b.values())
             for key in weights_b:
-                assert_close(weights_a[key], weights_b[key], terms=terms, msg=f"{name} {key}")
+                assert_close(weights_a[key], weights_b[key], terms=terms, scale=scale, msg=f"{name} {key}")
 
 
 FSDP_SHORT = ["--eval_steps", "100", "--num_eval_examples", "9", "--warmup_steps", "1"]  # 9: 5 + 4 held-out problems
-FSDP_RUNS = {
-    "sft.py": ["--max_steps", "3", "--per_device_train_batch_size", "8"],
-    "reward_model.py": ["--max_steps", "3", "--per_device_train_batch_size", "8", "--policy_prompts", "16",
-                        "--samples_per_prompt", "2", "--eval_steps", "3"],
-    "grpo.py": ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"],
-    "mix.py": ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"],
-    "ppo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8"],
-}
+GRPO_SHORT = ["--per_device_train_batch_size", "16", "--num_generations", "4"]
+FSDP_RUNS = [
+    ("sft.py", ["--max_steps", "3", "--per_device_train_batch_size", "8"]),
+    ("reward_model.py", ["--max_steps", "3", "--per_device_train_batch_size", "8", "--policy_prompts", "16",
+                         "--samples_per_prompt", "2", "--eval_steps", "3"]),
+    ("grpo.py", ["--max_steps", "3", *GRPO_SHORT]),
+    ("mix.py", ["--max_steps", "2", *GRPO_SHORT]),
+    ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8"]),
+    # LoRA: the frozen base sharded beside the adapters; PPO's critic is a LoRA scalar head
+    ("grpo.py", ["--max_steps", "2", *GRPO_SHORT, "--lora_r", "8"]),
+    ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8", "--lora_r", "8"]),
+]
 
 
-@pytest.mark.parametrize("script", list(FSDP_RUNS))
-def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_short, tmp_path, script):
+@pytest.mark.parametrize("script, args", FSDP_RUNS, ids=[s + (" LoRA" * ("--lora_r" in a)) for s, a in FSDP_RUNS])
+def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_short, tmp_path, script, args):
     """Every script under torchrun with --fsdp: the same metrics and weights as the same two-process
     run with data parallelism (which the test above and test_torchrun_* tie to one process on the
     whole batch), to float32 rounding; the start-up memory table divides the sharded rows by 2."""
-    args = [script, "--model", sft_checkpoint, *FSDP_RUNS[script], *FSDP_SHORT,
+    args = [script, "--model", sft_checkpoint, *args, *FSDP_SHORT,
             *(["--reward_model", rm_short] if script == "ppo.py" else [])]
     ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
     torchrun(*args, "--output_dir", ddp)
     result = torchrun(*args, "--output_dir", fsdp, "--fsdp", "true")
     assert "/ 2 (sharded)" in result.stdout + result.stderr
-    config = common.load_model(fsdp, scalar_head=script == "reward_model.py")[0].config
+    config = common.load_model(sft_checkpoint)[0].config
     # the longest sums: a forward pass, then a gradient entry over the global batch's tokens
     # (2 processes x at most 16 rows x at most 100 tokens of prompt and completion)
     _same_up_to_rounding(fsdp, ddp, terms=forward_terms(config) + 2 * 16 * 100)
+
+
+def test_memory_estimate_divides_what_fsdp_shards():
+    """Over N processes: weights, gradients, AdamW moments and frozen copies / N, plus the policy's
+    full weights, gathered for the rollout; activations stay per process. A 12.6M-parameter model,
+    built on the meta device (shapes only): 4 bytes per weight and gradient, 8 for AdamW."""
+    tokenizer = common.build_tokenizer()
+    with torch.device("meta"):
+        model = common.build_tiny_model(tokenizer, hidden_size=512, num_layers=4, num_heads=8)
+    n = sum(p.numel() for p in model.parameters())
+    gib = lambda text: [float(line.split()[-2]) for line in text.splitlines()[1:]]  # noqa: E731
+    one = gib(common.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50))
+    four = gib(common.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50,
+                                      shards=4))
+    expected_one = [4 * n, 4 * n, 8 * n, 4 * n]  # bytes: weights, gradients, AdamW, frozen copy
+    assert one[:4] == pytest.approx([b / 2**30 for b in expected_one], abs=5e-4)  # printed to 3 decimals
+    assert four[:4] == pytest.approx([b / 4 / 2**30 for b in expected_one], abs=5e-4)
+    assert four[4] == pytest.approx(4 * n / 2**30, abs=5e-4)  # gathered to generate
+    assert four[5:7] == one[4:6]  # activations and logits of one micro-batch: per process, unchanged
+    assert four[-1] == pytest.approx(sum(four[:-1]), abs=5e-3) and four[-1] < one[-1]
 
 
 def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpoint, tmp_path):
@@ -154,7 +183,7 @@ def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpo
     import time
 
     args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "6", "--save_steps", "2", "--fsdp", "true",
-            "--per_device_train_batch_size", "16", "--num_generations", "4", *FSDP_SHORT]
+            *GRPO_SHORT, *FSDP_SHORT]
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
     torchrun(*args, "--output_dir", unbroken)
     assert sorted(os.listdir(os.path.join(unbroken, "checkpoint", "sharded"))) == [
