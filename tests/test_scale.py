@@ -65,8 +65,10 @@ def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_p
 def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
     out = str(tmp_path / "grpo")
     torchrun("grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
-             "--output_dir", out, "--eval_steps", "100", "--num_eval_examples", "8")
+             "--output_dir", out, "--eval_steps", "100", "--num_eval_examples", "1")  # rank 1 evaluates none
     assert os.path.isfile(os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "eval.json")) as f:
+        assert json.load(f)["n"] == 1
 
 
 def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, tmp_path):
@@ -94,6 +96,19 @@ def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, t
     assert [same(r) for r in read_metrics(two_nodes)] == [same(r) for r in read_metrics(one_node)]
     one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (one_node, two_nodes))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)  # same operations, same order
+
+
+def test_process_shares_cut_as_datasets_does_and_may_be_empty():
+    import datasets
+
+    for num_rows in range(10):
+        data = datasets.Dataset.from_dict({"x": list(range(num_rows))})
+        for world_size in range(1, 5):
+            shares = [common.share_rows(num_rows, rank, world_size) for rank in range(world_size)]
+            assert [i for share in shares for i in share] == list(range(num_rows))  # every row once, in order
+            if num_rows >= world_size:  # where datasets can cut, it cuts the same
+                assert [list(share) for share in shares] == [
+                    data.shard(world_size, rank, contiguous=True)["x"] for rank in range(world_size)]
 
 
 # --- FSDP (--fsdp): weights, gradients and AdamW states sharded over the processes --------------
