@@ -12,6 +12,7 @@ reference policy.
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
     torchrun --nproc_per_node 2 grpo.py                  # data parallel over 2 GPUs (or CPU processes)
+    torchrun --nproc_per_node 2 grpo.py --fsdp true      # sharded: each process holds half the weights and states
     python grpo.py --lora_r 8                            # LoRA; pi_ref = the model with its adapter off
 
 One training step:

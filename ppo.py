@@ -8,6 +8,7 @@
     python sft.py && python reward_model.py && python ppo.py
     python ppo.py --reward_model rule       # the rule-based checker instead of the reward model
     torchrun --nproc_per_node 2 ppo.py      # data parallel over 2 GPUs (or CPU processes)
+    torchrun --nproc_per_node 2 ppo.py --fsdp true  # sharded: each process holds half the weights and states
     python ppo.py --lora_r 8                # LoRA actor and critic; the reference is the actor with its adapter off
 
 Only the actor decodes ("rollout"); the reference, critic and reward model just read the finished

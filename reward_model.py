@@ -9,6 +9,7 @@ token (EOS). Trained on pairs (prompt, chosen, rejected) so that chosen outscore
     python reward_model.py                                # out/sft + data/preference -> out/rm
     python reward_model.py --dataset Dahoas/rm-static --model out/sft_qwen
     torchrun --nproc_per_node 2 reward_model.py           # data parallel over 2 GPUs (or CPU processes)
+    torchrun --nproc_per_node 2 reward_model.py --fsdp true  # sharded: each process holds half the weights and states
 
 The shipped pairs (data/make_data.py) have a right answer as chosen and a plausible mistake as
 rejected: a forgotten carry, a slipped digit, a final number that does not follow the reasoning,

@@ -8,6 +8,7 @@ embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a l
     python sft.py --max_steps 100 --output_dir out/sft_weak   # a weaker start for RL
     python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --learning_rate 1e-5
     torchrun --nproc_per_node 2 sft.py ...               # data parallel over 2 GPUs (or CPU processes)
+    torchrun --nproc_per_node 2 sft.py ... --fsdp true   # sharded: each process holds half the weights and states
     python sft.py --model out/sft --lora_r 8 ...         # LoRA adapters instead of every weight
 
 Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
