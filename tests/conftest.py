@@ -10,6 +10,8 @@ import sys
 import types
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # import the scripts (sft, grpo, common, ...) as modules
@@ -53,6 +55,17 @@ def z_accuracy(before: float, after: float, n: int) -> float:
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def assert_same_run(a, b):
+    """Two runs of the same code on the same machine: the same metrics (the wall-clock timings
+    time/* aside) and bit-identical saved weights."""
+    def scalars(out):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(out)]
+
+    assert scalars(a) == scalars(b)
+    weights_a, weights_b = (load_file(os.path.join(out, "model.safetensors")) for out in (a, b))
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
 @pytest.fixture(scope="session")

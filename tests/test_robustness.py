@@ -20,7 +20,7 @@ import mix
 import ppo
 import reward_model
 import sft
-from conftest import ROOT, read_metrics, run, run_main
+from conftest import ROOT, assert_same_run, run, run_main
 
 SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix}
 ALL = list(SCRIPTS)
@@ -339,7 +339,7 @@ def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
                 f.write('{"step": 1, "loss": 5.6}\n{"step": 2, "lo')  # cut in the middle of a line
         result = run_main("sft.py", *args, "--output_dir", broken, "--resume", "true")
         assert "resumed from" in result.stdout
-        _assert_same_run(whole, broken)
+        assert_same_run(whole, broken)
 
 
 def test_every_numeric_setting_has_a_range():
@@ -392,17 +392,6 @@ def test_a_full_model_replaces_an_older_lora_adapter(sft_checkpoint, tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in saved.items())
 
 
-def _scalars(output_dir):
-    """metrics.jsonl without the wall-clock timings (time/*), which differ from run to run."""
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(output_dir)]
-
-
-def _assert_same_run(a, b):
-    assert _scalars(a) == _scalars(b)
-    weights_a, weights_b = (load_file(os.path.join(d, "model.safetensors")) for d in (a, b))
-    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
-
-
 def _signal_when(process, condition, sig=signal.SIGKILL, timeout=300):
     """Send `sig` to the process as soon as `condition()` holds (it must not finish first)."""
     deadline = time.time() + timeout
@@ -441,7 +430,7 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
     first, second, broken = (str(tmp_path / name) for name in ("first", "second", "broken"))
     run_main(script, *args, "--output_dir", first)
     run_main(script, *args, "--output_dir", second)
-    _assert_same_run(first, second)
+    assert_same_run(first, second)
 
     metrics = os.path.join(broken, "metrics.jsonl")
     # 1. killed between two checkpoints: the 5th metrics line is past the first checkpoint
@@ -458,7 +447,7 @@ def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_
         f.write(b"torn")
     result = run_main(script, *args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
-    _assert_same_run(first, broken)
+    assert_same_run(first, broken)
 
 
 # --- a new run over an old run's folder: killed at any point --------------------------------------
@@ -488,7 +477,7 @@ def _check_old_whole_or_new_resumable(folder, old, unbroken_new):
         assert _visible(folder) == old
         return "old whole, new not started"
     run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true")
-    _assert_same_run(unbroken_new, folder)
+    assert_same_run(unbroken_new, folder)
     assert not os.path.exists(os.path.join(folder, common.NEXT_RUN))
     return "new resumed"
 
@@ -541,7 +530,7 @@ def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkey
     monkeypatch.undo()
     assert os.path.isfile(os.path.join(old_folder, common.NEXT_RUN, ".complete"))
     run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--resume", "true")
-    _assert_same_run(unbroken, old_folder)
+    assert_same_run(unbroken, old_folder)
     assert not os.path.exists(os.path.join(old_folder, common.NEXT_RUN))
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import common
 import grpo
-from conftest import ROOT, read_metrics, run, run_main
+from conftest import ROOT, assert_same_run, read_metrics, run, run_main
 from floats import assert_close, forward_terms, tolerance
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
@@ -92,10 +92,7 @@ def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, t
              for rank in (0, 1)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), "\n".join(output[-2000:] for output in outputs)
-    same = lambda row: {k: v for k, v in row.items() if not k.startswith("time")}  # noqa: E731
-    assert [same(r) for r in read_metrics(two_nodes)] == [same(r) for r in read_metrics(one_node)]
-    one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (one_node, two_nodes))
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)  # same operations, same order
+    assert_same_run(two_nodes, one_node)  # same operations in the same order: bit for bit
 
 
 def test_process_shares_cut_as_datasets_does_and_may_be_empty():
@@ -215,10 +212,7 @@ def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpo
     run_.wait()
     result = torchrun(*args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
-    same = lambda row: {k: v for k, v in row.items() if not k.startswith("time")}  # noqa: E731
-    assert [same(r) for r in read_metrics(broken)] == [same(r) for r in read_metrics(unbroken)]
-    one, two = (load_file(os.path.join(out, "model.safetensors")) for out in (unbroken, broken))
-    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert_same_run(broken, unbroken)
 
 
 # --- LoRA --------------------------------------------------------------------------------------
