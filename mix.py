@@ -25,18 +25,18 @@ One training step:
 """
 import copy
 import math
-import os
-import random
 import re
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common
+import harness
+import rollout
 from common import setting
+
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how grpo_loss averages the token losses
 
 
 @dataclass
@@ -82,17 +82,17 @@ class Config:
     epsilon_high: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)")
     """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow);
     unset = epsilon"""
-    importance_sampling_level: str = "token"
+    importance_sampling_level: str = setting("token", lambda v: v in ("token", "sequence"), "one of token, sequence")
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
     """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's and the
     notes'; TRL 1.16 defaults to 0.0 (and to loss_type dapo, learning_rate 1e-6): set them to compare"""
-    loss_type: str = "grpo"
+    loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
     """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
     one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
     completions x max_completion_length"""
-    scale_rewards: str = "group"
+    scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
     """divide the centred rewards by the std of their 'group' (GRPO), of the whole 'batch', or 'none' (Dr. GRPO)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
@@ -148,138 +148,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout and log-probs: the policy writes completions, then one pass scores every token of them.
-# The same code in ppo.py, grpo.py, mix.py and common.py (which evaluates with it);
-# tests/test_shared_code.py keeps the copies identical. Read it here first.
-# ---------------------------------------------------------------------------------------------
-@torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
-    """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
-
-    At each step: logits of the last position -> sample a token from softmax(logits / temperature)
-    (or take the argmax when greedy) -> feed it back. Prompts are left padded, so all completions
-    start at the same column P. A row that emits EOS stops there and is padded after it; its mask
-    keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
-
-    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
-    """
-    device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    # [B, max_new_tokens]
-    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
-    was_training = model.training
-    model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
-    with common.autocast(model):
-        cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
-        rows = torch.arange(len(prompts), device=device)  # the rows still writing
-        # [b, P + t], [b]: the last token's position
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1
-        for t in range(max_new_tokens):
-            next_logits = logits[:, -1].float()  # [b, V]
-            if greedy:
-                next_tokens = next_logits.argmax(dim=-1)  # [b]
-            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
-                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
-            completion_ids[rows, t] = next_tokens
-            writing = next_tokens != tokenizer.eos_token_id  # [b]
-            if t == max_new_tokens - 1 or not writing.any():
-                break
-            if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
-                attention_mask = attention_mask[writing]
-                cache.batch_select_indices(writing.nonzero().squeeze(1))
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
-                           position_ids=positions[:, None],
-                           past_key_values=cache, use_cache=True).logits  # [b, 1, V]
-    model.train(was_training)
-    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
-    return prompt_ids, prompt_mask, completion_ids, common.mask_after_eos(completion_ids, tokenizer.eos_token_id)
-
-
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                        with_entropy: bool = False, length_chunks: int = 2):
-    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
-
-    The logit at position t predicts token t+1, so the T completion tokens are predicted by the
-    positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
-    drop the final one. Logits are divided by the sampling temperature, so these are the
-    log-probs of the distribution the completions were sampled from. Positions after a row's
-    last real token (attention_mask 0) hold junk or 0: every loss masks them.
-
-    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
-    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
-    """
-    T = num_completion_tokens
-    if length_chunks == 1:  # one pass over the batch as it is
-        logprobs, entropy = chunk_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
-        return (logprobs, entropy) if with_entropy else logprobs
-    positions = torch.arange(1, T + 1, device=input_ids.device)
-    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
-    # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
-    # forward or backward work is spent on the padding after the shorter ones.
-    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
-    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
-    for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
-        t = max(int(lengths[rows].max()), 1)
-        width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
-        logprobs[rows, :t], entropy[rows, :t] = chunk_logprobs(  # [b, t] each; gradients flow into logprobs
-            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
-    return (logprobs, entropy) if with_entropy else logprobs
-
-
-def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool):
-    """completion_logprobs of rows that end together: (log-probs [b, T], entropy [b, T] or 0)."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
-    with common.autocast(model):
-        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # One pass over prompt + completion; always so with gradient checkpointing, and under --fsdp,
-        # where every process must run the same passes (each pass gathers weights from all of them).
-        if model.is_activation_checkpointing or common.is_sharded(model) or not prompts_repeat(input_ids[:, :-T]):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
-        else:  # the last prompt position predicts the first completion token; the completion the rest
-            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [b, 1, V]
-            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
-                                      position_ids=position_ids[:, -T:], past_key_values=cache).logits
-            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [b, T, V]
-    logits = logits / temperature
-    logprobs = common.gather_logprobs(logits, input_ids[:, -T:])
-    if not with_entropy:
-        return logprobs, 0.0
-    with torch.no_grad():
-        log_p = torch.log_softmax(logits.float(), dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [b, T]
-    return logprobs, entropy
-
-
-def prompt_cache(model, prompt_ids, prompt_mask):
-    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
-
-    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
-    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
-    every log-prob pass, with the same results (gradients flow back through the copies).
-    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
-    """
-    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
-    first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
-    first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
-    mask = prompt_mask[first_row]  # [U, P]
-    out = model(input_ids=prompt_ids[first_row], attention_mask=mask,
-                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
-    out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
-    return out.past_key_values, out.logits[row_to_prompt]
-
-
-def prompts_repeat(prompt_ids) -> bool:
-    """True if some rows share a prompt (then prompt_cache saves work)."""
-    return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
-
-
-# ---------------------------------------------------------------------------------------------
 # Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
 # as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +165,6 @@ def format_reward(prompts, completions, **kwargs) -> list[float]:
 
 
 REWARD_FUNCS = [correctness_reward, format_reward]
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # see grpo_loss
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,8 +339,8 @@ def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, exampl
         return prompt_ids, prompt_mask, completion_ids, completion_mask
     device = prompt_ids.device
     # [E, P2]
-    new_prompt_ids, new_prompt_mask = (x.to(device) for x in common.pad_left([p for p, _ in examples], pad_id))
-    new_ids, new_mask = (x.to(device) for x in common.pad_right([a for _, a in examples], pad_id))  # [E, T2]
+    new_prompt_ids, new_prompt_mask = (x.to(device) for x in rollout.pad_left([p for p, _ in examples], pad_id))
+    new_ids, new_mask = (x.to(device) for x in rollout.pad_right([a for _, a in examples], pad_id))  # [E, T2]
     P, T = max(prompt_ids.shape[1], new_prompt_ids.shape[1]), max(completion_ids.shape[1], new_ids.shape[1])
     left = lambda x, value: F.pad(x, (P - x.shape[1], 0), value=value)  # noqa: E731  pad on the left to width P
     right = lambda x, value: F.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731  pad on the right to width T
@@ -554,119 +421,101 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
     return (1 - mu) * grpo_term + mu * sft_term
 
 
+@torch.no_grad()
+def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_logprobs, advantages, cfg) -> dict:
+    """What a step logs besides its loss, with TRL 1.16's names where the quantity is the same
+    (completion_length is its completions/mean_length, clip_fraction its clip_ratio/region_mean; its
+    kl is a token mean over the batch, ours a mean per completion). rewards_per_func [B*G, F]; the
+    rest [B*G, T] or [B*G]; ref_logprobs None when beta is 0."""
+    rewards = rewards_per_func.sum(dim=1)  # [B*G]
+    group_std = rewards.view(-1, cfg.num_generations).std(dim=1)  # [B]
+    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else None  # [B*G, T]
+    return {
+        "reward": rewards.mean().item(),
+        "reward_std": group_std.mean().item(),  # within-group spread: the signal
+        "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups that teach nothing
+        **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
+        "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
+        "kl": masked_mean_per_sequence(kl, completion_mask).item() if kl is not None else 0.0,
+        "completion_length": completion_mask.sum(dim=1).float().mean().item(),
+        "clip_fraction": clip_fraction(logprobs, old_logprobs, advantages, completion_mask, cfg.epsilon,
+                                       cfg.epsilon_high, cfg.importance_sampling_level),
+    }
+
+
+@torch.no_grad()
+def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, expert_mask, cfg) -> dict:
+    """MIX's two terms as Trinity names them: usual/loss (the GRPO term, weighted by 1 - mu in the
+    loss) and expert/sft_loss (the NLL of the expert answers, weighted by mu), and the rows of each.
+    [B*G+E, T] or [B*G+E]; ref_logprobs None when beta is 0."""
+    usual = ~expert_mask
+    ref_usual = ref_logprobs[usual] if ref_logprobs is not None else None
+    return {
+        "usual/loss": grpo_loss(logprobs[usual], old_logprobs[usual], ref_usual, advantages[usual], loss_mask[usual],
+                                cfg.epsilon, cfg.beta, cfg.loss_type, epsilon_high=cfg.epsilon_high,
+                                importance_sampling_level=cfg.importance_sampling_level,
+                                max_completion_length=cfg.max_completion_length).item(),
+        "expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
+                                    max_completion_length=cfg.max_completion_length).item(),
+        "usual/num_rows": int(usual.sum()),
+        "expert/num_rows": int(expert_mask.sum()),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    common.check_settings(cfg)
-    # never written to
-    inputs = {"--model": cfg.model, "--dataset": cfg.dataset, "--expert_dataset": cfg.expert_dataset}
-    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
-    step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # rows per step
-    num_expert = math.ceil(cfg.expert_data_ratio * step_batch)  # E expert rows per step
-    num_usual = step_batch - num_expert  # B*G rollout rows per step
-    if num_usual < cfg.num_generations or num_usual % cfg.num_generations:
-        common.fail(
-            f"the {num_usual} usual rows of a step (--per_device_train_batch_size x --gradient_accumulation_steps "
-            f"{step_batch} minus {num_expert} expert rows) must be a positive multiple of --num_generations "
-            f"({cfg.num_generations})"
-        )
-    for name, choices in (("loss_type", LOSS_TYPES), ("scale_rewards", ("group", "batch", "none")),
-                          ("importance_sampling_level", ("token", "sequence"))):
-        if getattr(cfg, name) not in choices:
-            common.fail(f"--{name} must be one of {', '.join(choices)}, not {getattr(cfg, name)!r}")
-    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
-    common.check_fsdp(cfg, world_size)
-    common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
-    device = common.get_device()
-    G = cfg.num_generations
-    num_prompts = num_usual // G
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset,
+                                   "--expert_dataset": cfg.expert_dataset})  # settings, output folder, torchrun
+    G, rows_per_step = cfg.num_generations, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    num_expert = math.ceil(cfg.expert_data_ratio * rows_per_step)  # E expert rows per step
+    num_usual = rows_per_step - num_expert  # B*G rollout rows per step
+    if num_usual < G or num_usual % G:
+        common.fail(f"the {num_usual} usual rows of a step (--per_device_train_batch_size x "
+                    f"--gradient_accumulation_steps {rows_per_step} minus {num_expert} expert rows) must be a "
+                    f"positive multiple of --num_generations ({G})")
+    num_prompts = num_usual // G  # B
 
     # data and models
-    train_data = common.load_split(cfg.dataset, "train")
-    test_data = common.load_split(cfg.dataset, "test")
-    if cfg.num_eval_examples:
-        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
-    if len(train_data) < num_prompts:
-        common.fail(
-            f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {num_prompts} a step samples"
-        )
+    train_data, test_data = common.load_splits(cfg.dataset, num_eval_examples=cfg.num_eval_examples,
+                                                per_step=num_prompts)
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
                                          trust_remote_code=cfg.trust_remote_code)
-    common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    longest = common.longest_prompt(tokenizer, list(train_data["question"]) + list(test_data["question"]),
-                                    cfg.system_prompt)
-    common.check_fits_context(model, longest + cfg.max_completion_length,
-                              f"the longest prompt of {cfg.dataset} plus --max_completion_length")
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
-        model = common.add_lora(model, cfg)
-    model.to(device).train()
-    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (LoRA's A is random)
+    longest = common.check_prompts_fit(model, tokenizer, list(train_data["question"]) + list(test_data["question"]),
+                                       cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
+    model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     expert_examples = load_expert_examples(cfg.expert_dataset, tokenizer,
                                            cfg.max_completion_length) if num_expert else []
     if len(expert_examples) < num_expert:
-        common.fail(
-            f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, "
-            f"fewer than the {num_expert} a step needs"
-        )
-    common.log(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
-               f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
+        common.fail(f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, fewer than the "
+                    f"{num_expert} a step needs")
     if expert_examples:
         common.check_fits_context(model, max(len(p) + len(a) for p, a in expert_examples),
                                   f"the longest expert example of {cfg.expert_dataset}")
+    common.log(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
+               f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
     # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
     # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
-    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
-        common.shard_model(model)
-        if ref_model is not None:
-            common.shard_model(ref_model)
-    common.log(common.memory_estimate([model], [ref_model] if ref_model else [], rows=cfg.per_device_train_batch_size,
-                                      sequence_length=longest + cfg.max_completion_length,
-                                      completion_length=cfg.max_completion_length,
-                                      gradient_checkpointing=cfg.gradient_checkpointing,
-                                      shards=world_size if cfg.fsdp else 1))
+    run.shard(model, ref_model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
+    run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
+                   sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    total_updates = cfg.max_steps * cfg.num_iterations
-    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations, total_updates,
-                                              cfg.min_lr_rate)
-    rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts, whole groups on one process
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
+                                              cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)
 
-    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
+    def evaluate():  # held-out accuracy, greedy and sampled: run.steps calls it every --eval_steps
+        return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                               cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
 
-    def evaluate(step):
-        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
-                            cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        common.log_metrics(run_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                     "eval/accuracy_sampled": scores["accuracy_sampled"],
-                                     "time/elapsed": time.perf_counter() - started})
-        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                   f"sampled {scores['accuracy_sampled']:.1%}")
-        return scores
-
-    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
-    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
-    if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(run_dir, **training_state)
-        started -= results.get("elapsed", 0.0)
-        initial, scores = results["initial"], results["scores"]
-    else:
-        common.start_output_dir(run_dir)
-        first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
-        scores = initial
-    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="mix",
-                    dynamic_ncols=True, disable=not common.show_progress())
-    for step in progress:
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # 1. Rollout: G samples of each of B prompts, groups contiguous.
-        t0 = time.perf_counter()
-        step_data = train_data[rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
+        step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-        with common.gathered(model):  # FSDP: the full weights, gathered once for the whole rollout
-            prompt_ids, prompt_mask, completion_ids, completion_mask = generate(
-                model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-            )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+        )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
 
         # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
@@ -675,140 +524,73 @@ def main(cfg: Config):
         rewards = rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
-        advantages = group_advantages(rewards, G, cfg.scale_rewards).to(device)  # [B*G]
+        advantages = group_advantages(rewards, G, cfg.scale_rewards).to(run.device)  # [B*G]
 
         # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
-        expert_rows = [expert_examples[i] for i in rng.sample(range(len(expert_examples)), num_expert)]
+        expert_rows = [expert_examples[i] for i in run.rng.sample(range(len(expert_examples)), num_expert)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = append_rows(
             prompt_ids, prompt_mask, completion_ids, completion_mask, expert_rows, tokenizer.pad_token_id
         )  # [B*G+E, P], [B*G+E, P], [B*G+E, T], [B*G+E, T]
-        expert_mask = torch.arange(len(completion_ids), device=device) >= len(rewards)  # [B*G+E], True on expert rows
-        usual = ~expert_mask
+        expert_mask = torch.arange(len(completion_ids), device=run.device) >= len(rewards)  # [B*G+E], True: expert
         advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows, which the SFT term ignores
         # The tokens that carry loss [B*G+E, T]: every real one, or (DAPO) none of a completion that was cut off.
-        drop = cfg.mask_truncated_completions
-        loss_mask = drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id) if drop else completion_mask
-        t1 = time.perf_counter()
+        loss_mask = (drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id)
+                     if cfg.mask_truncated_completions else completion_mask)
 
         # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
         T = completion_ids.shape[1]
         # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
         # losses are normalised by the whole step's counts, so the gradients add up to the step's.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G, T]
+        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G+E, T]
         old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
         with torch.no_grad():
             for rows in micro_batches:
                 if cfg.beta > 0:
                     with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                        ref_logprobs[rows] = completion_logprobs(reference, input_ids[rows], attention_mask[rows], T,
-                                                                 cfg.temperature)
+                        ref_logprobs[rows] = rollout.completion_logprobs(reference, input_ids[rows],
+                                                                         attention_mask[rows], T, cfg.temperature)
                 # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
                 if cfg.num_iterations > 1:
-                    old_logprobs[rows] = completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                             cfg.temperature)
+                    old_logprobs[rows] = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
+                                                                     cfg.temperature)
 
-        # 5. Policy updates on this batch.
-        time_logprobs, time_backward = time.perf_counter() - t1, 0.0
+        # 5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows).
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            # [B*G, T] detached; the step's loss
-            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0
+            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G+E, T] detached; the loss
             for rows in micro_batches:
-                t2 = time.perf_counter()
-                # [b, T]
-                micro_logprobs = completion_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
-                old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()
-                ref = ref_logprobs[rows] if cfg.beta > 0 else None
-                micro_loss = mix_loss(micro_logprobs, old, ref, advantages[rows], loss_mask[rows], expert_mask[rows],
-                                      cfg.mu, cfg.epsilon, cfg.beta, cfg.loss_type, (loss_mask, expert_mask),
-                                      cfg.epsilon_high, cfg.importance_sampling_level, cfg.max_completion_length)
-                t3 = time.perf_counter()
+                micro_logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
+                                                             cfg.temperature)  # [b, T]
+                micro_loss = mix_loss(
+                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
+                    ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], loss_mask[rows],
+                    expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
+                    max_completion_length=cfg.max_completion_length, step_masks=(loss_mask, expert_mask))
                 micro_loss.backward()  # gradients add up over the micro-batches
                 logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
-                time_logprobs, time_backward = time_logprobs + t3 - t2, time_backward + time.perf_counter() - t3
-            t3 = time.perf_counter()
-            common.average_gradients(model)  # DDP: the same update on every process
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+            grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
             optimizer.step()
             scheduler.step()
-            time_backward += time.perf_counter() - t3
-        old = old_logprobs if old_logprobs is not None else logprobs
 
-        # 6. Logging, with TRL 1.16's metric names where the quantity is the same (completion_length is its
-        # completions/mean_length, clip_fraction its clip_ratio/region_mean; its kl is a token mean).
-        # Rollout statistics come from the usual rows only.
-        with torch.no_grad():
-            kl = masked_mean_per_sequence(kl_k3(logprobs[usual], ref_logprobs[usual]),
-                                          completion_mask[usual]).item() if cfg.beta > 0 else 0.0
-            clipped = clip_fraction(logprobs[usual], old[usual], advantages[usual], completion_mask[usual], cfg.epsilon,
-                                    cfg.epsilon_high, cfg.importance_sampling_level)
-            ref_usual = ref_logprobs[usual] if cfg.beta > 0 else None
-            usual_loss = grpo_loss(logprobs[usual], old[usual], ref_usual, advantages[usual], loss_mask[usual],
-                                   cfg.epsilon,
-                                   cfg.beta, cfg.loss_type, None, None, cfg.epsilon_high, cfg.importance_sampling_level,
-                                   cfg.max_completion_length).item()
-            expert_loss = sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
-                                   max_completion_length=cfg.max_completion_length).item()
-        group_std = rewards.view(-1, G).std(dim=1)  # [B]
-        metrics = {
-            "step": step,
-            "loss": loss.item(),
-            "reward": rewards.mean().item(),
-            "reward_std": group_std.mean().item(),  # within-group spread: the signal
-            "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups that teach nothing
-            **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
-            "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
-            "kl": kl,
-            "completion_length": completion_mask[usual].sum(dim=1).float().mean().item(),
-            "clip_fraction": clipped,
-            "grad_norm": grad_norm.item(),
-            "learning_rate": scheduler.get_last_lr()[0],
-            "time/generation": t1 - t0,
-            "time/logprobs": time_logprobs,
-            "time/backward": time_backward,
-            "time/step": time.perf_counter() - t0,  # the whole step: rollout, rewards, passes, update
-            "usual/loss": usual_loss,  # the GRPO term on the rollouts (weighted by 1 - mu in the loss)
-            "expert/sft_loss": expert_loss,  # the NLL of the expert answers (weighted by mu)
-            "usual/num_rows": int(usual.sum()),
-            "expert/num_rows": int(expert_mask.sum()),
-        }
-        metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
-        common.log_metrics(run_dir, metrics)
-        # what the policy wrote (rank 0's share)
-        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
-            common.log_completions(run_dir, step, prompts, completions, advantage=advantages[usual].tolist(),
-                                   **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist() for i,
-                                      f in enumerate(REWARD_FUNCS)})
-        progress.set_postfix(reward=f"{metrics['reward']:.2f}", acc=f"{metrics['accuracy']:.2f}", kl=f"{kl:.3f}")
-        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = evaluate(step)
-            common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (reward {rewards[0]:.2f})")
-        # after this step's evaluation: a resume repeats nothing
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            common.save_training_state(run_dir, cfg, step,
-                                       {"initial": initial, "scores": scores,
-                                        "elapsed": time.perf_counter() - started}, **training_state)
+        # 6. Metrics: grpo.py's on the usual rows (the rollouts), and MIX's terms; what the policy wrote.
+        old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
+        run.log({"loss": loss.item(),
+                 **step_metrics(rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
+                                ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg),
+                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+                 **mix_metrics(logprobs, old, ref_logprobs, advantages, loss_mask, expert_mask, cfg)},
+                completions={"prompt": prompts, "completion": completions, "advantage": advantages[usual].tolist(),
+                             **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
+                                for i, f in enumerate(REWARD_FUNCS)}})
 
-    def change(key):  # "before -> after", or "after" alone without --eval_on_start
-        return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
-
-    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
-    common.write_json(os.path.join(run_dir, "eval.json"), scores)
-    png = common.plot_metrics(
-        run_dir,
-        {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
-         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
-         "kl to reference": ["kl"], "completion length": ["completion_length"],
-         "loss terms": ["usual/loss", "expert/sft_loss"]},
-        "MIX",
-    )
-    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
-    common.log(f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
-               f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
+    run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
+                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
+                                        "kl to reference": ["kl"], "completion length": ["completion_length"],
+                                        "loss terms": ["usual/loss", "expert/sft_loss"]}, "MIX")
     return model
 
 

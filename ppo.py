@@ -22,15 +22,13 @@ sequences in one forward pass each ("inference", prefill only). One step:
                  loss steps the actor, the clipped critic loss steps the critic
 """
 import copy
-import os
-import random
-import time
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 import common
+import harness
+import rollout
 from common import setting
 
 
@@ -135,138 +133,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout and log-probs: the policy writes completions, then one pass scores every token of them.
-# The same code in ppo.py, grpo.py, mix.py and common.py (which evaluates with it);
-# tests/test_shared_code.py keeps the copies identical. Read it here first.
-# ---------------------------------------------------------------------------------------------
-@torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False):
-    """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
-
-    At each step: logits of the last position -> sample a token from softmax(logits / temperature)
-    (or take the argmax when greedy) -> feed it back. Prompts are left padded, so all completions
-    start at the same column P. A row that emits EOS stops there and is padded after it; its mask
-    keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
-
-    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T].
-    """
-    device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
-    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    # [B, max_new_tokens]
-    completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
-    was_training = model.training
-    model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
-    with common.autocast(model):
-        cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # the prompts' keys/values; logits [B, 1, V]
-        rows = torch.arange(len(prompts), device=device)  # the rows still writing
-        # [b, P + t], [b]: the last token's position
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1
-        for t in range(max_new_tokens):
-            next_logits = logits[:, -1].float()  # [b, V]
-            if greedy:
-                next_tokens = next_logits.argmax(dim=-1)  # [b]
-            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
-                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
-            completion_ids[rows, t] = next_tokens
-            writing = next_tokens != tokenizer.eos_token_id  # [b]
-            if t == max_new_tokens - 1 or not writing.any():
-                break
-            if not writing.all():  # Speed: rows that emitted EOS leave the batch, and their cache rows with them
-                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
-                attention_mask = attention_mask[writing]
-                cache.batch_select_indices(writing.nonzero().squeeze(1))
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
-                           position_ids=positions[:, None],
-                           past_key_values=cache, use_cache=True).logits  # [b, 1, V]
-    model.train(was_training)
-    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
-    return prompt_ids, prompt_mask, completion_ids, common.mask_after_eos(completion_ids, tokenizer.eos_token_id)
-
-
-def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                        with_entropy: bool = False, length_chunks: int = 2):
-    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
-
-    The logit at position t predicts token t+1, so the T completion tokens are predicted by the
-    positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
-    drop the final one. Logits are divided by the sampling temperature, so these are the
-    log-probs of the distribution the completions were sampled from. Positions after a row's
-    last real token (attention_mask 0) hold junk or 0: every loss masks them.
-
-    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
-    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
-    """
-    T = num_completion_tokens
-    if length_chunks == 1:  # one pass over the batch as it is
-        logprobs, entropy = chunk_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
-        return (logprobs, entropy) if with_entropy else logprobs
-    positions = torch.arange(1, T + 1, device=input_ids.device)
-    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
-    # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
-    # forward or backward work is spent on the padding after the shorter ones.
-    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
-    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
-    for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
-        t = max(int(lengths[rows].max()), 1)
-        width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
-        logprobs[rows, :t], entropy[rows, :t] = chunk_logprobs(  # [b, t] each; gradients flow into logprobs
-            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy)
-    return (logprobs, entropy) if with_entropy else logprobs
-
-
-def chunk_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool):
-    """completion_logprobs of rows that end together: (log-probs [b, T], entropy [b, T] or 0)."""
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # left padding: count real tokens
-    with common.autocast(model):
-        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # One pass over prompt + completion; always so with gradient checkpointing, and under --fsdp,
-        # where every process must run the same passes (each pass gathers weights from all of them).
-        if model.is_activation_checkpointing or common.is_sharded(model) or not prompts_repeat(input_ids[:, :-T]):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
-        else:  # the last prompt position predicts the first completion token; the completion the rest
-            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [b, 1, V]
-            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
-                                      position_ids=position_ids[:, -T:], past_key_values=cache).logits
-            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [b, T, V]
-    logits = logits / temperature
-    logprobs = common.gather_logprobs(logits, input_ids[:, -T:])
-    if not with_entropy:
-        return logprobs, 0.0
-    with torch.no_grad():
-        log_p = torch.log_softmax(logits.float(), dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [b, T]
-    return logprobs, entropy
-
-
-def prompt_cache(model, prompt_ids, prompt_mask):
-    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
-
-    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
-    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
-    every log-prob pass, with the same results (gradients flow back through the copies).
-    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
-    """
-    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
-    first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
-    first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
-    mask = prompt_mask[first_row]  # [U, P]
-    out = model(input_ids=prompt_ids[first_row], attention_mask=mask,
-                position_ids=(mask.cumsum(dim=1) - 1).clamp(min=0),
-                use_cache=True, logits_to_keep=1)
-    out.past_key_values.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
-    return out.past_key_values, out.logits[row_to_prompt]
-
-
-def prompts_repeat(prompt_ids) -> bool:
-    """True if some rows share a prompt (then prompt_cache saves work)."""
-    return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
-
-
-# ---------------------------------------------------------------------------------------------
 # Inference: values from the critic, scores from the reward model (prefill only)
 # ---------------------------------------------------------------------------------------------
 def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int):
@@ -276,7 +142,7 @@ def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int)
     003): the first state ends at the prompt's last token, the last at the token before the last
     one. So, like the log-probs, the values come from positions P-1 .. P+T-2."""
     # [B, T, H]
-    hidden = common.last_hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]
+    hidden = rollout.last_hidden_states(critic, input_ids, attention_mask)[:, -num_completion_tokens - 1 : -1]
     return critic.score(hidden).squeeze(-1)
 
 
@@ -289,7 +155,7 @@ def reward_scores(reward_model, input_ids, attention_mask):
     distribution, which PPO may learn to exploit. Remedies elsewhere: a fixed penalty instead
     (TRL 1.16's online DPO trainer subtracts its missing_eos_penalty), or no loss at all on such
     completions (grpo.py's --mask_truncated_completions). The same as reward_model.sequence_scores."""
-    hidden = common.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
+    hidden = rollout.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
 
@@ -304,9 +170,8 @@ def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: in
     total = 0.0
     for start in range(0, len(questions), batch_size):
         prompts = [common.make_prompt(tokenizer, q, system_prompt) for q in questions[start : start + batch_size]]
-        with common.gathered(actor):  # FSDP: the full weights, gathered once per batch
-            prompt_ids, prompt_mask, completion_ids, mask = generate(actor, tokenizer, prompts, max_new_tokens,
-                                                                     greedy=True)
+        prompt_ids, prompt_mask, completion_ids, mask = rollout.generate(actor, tokenizer, prompts, max_new_tokens,
+                                                                         greedy=True)
         input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
         total += reward_scores(reward_model, input_ids, attention_mask).sum().item()
     actor.train()
@@ -448,279 +313,177 @@ def clip_fraction(unclipped_loss, clipped_loss, mask) -> float:
     return taken_over.sum().item() / mask.sum().item()
 
 
+@torch.no_grad()
+def update_stats(actor_loss, critic_loss, logprobs, old_logprobs, values, old_values, advantages, returns, entropy,
+                 mask, cfg) -> dict:
+    """What one update of actor and critic logs: its two losses, the share of tokens where each clip
+    took over (clip_fraction), and the policy's entropy. Every tensor [b, T], for the update's rows."""
+    ratio = torch.exp(torch.where(mask.bool(), logprobs - old_logprobs, 0.0))  # [b, T]
+    clipped_ratio = torch.clamp(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange)
+    clipped_values = torch.clamp(values, old_values - cfg.cliprange_value, old_values + cfg.cliprange_value)
+    return {"loss/actor": actor_loss.item(), "loss/critic": critic_loss.item(),
+            "clip_fraction/actor": clip_fraction(-advantages * ratio, -advantages * clipped_ratio, mask),
+            "clip_fraction/critic": clip_fraction((values - returns) ** 2, (clipped_values - returns) ** 2, mask),
+            "entropy": masked_mean(entropy, mask).item()}
+
+
+@torch.no_grad()
+def step_metrics(score, completions, answers, mask, old_logprobs, ref_logprobs, old_values, returns, updates) -> dict:
+    """What a step logs: the reward model's score and, when the data has answers, the rule-based
+    accuracy of the same completions (do they rise together?); the KL to the reference; the mean of
+    the updates' update_stats; how well the critic's values fit the returns. score [B]; the rest [B, T]."""
+    return {
+        "score": score.mean().item(),
+        **({"accuracy": sum(float(common.is_correct(c, a)) for c, a in zip(completions, answers)) / len(completions)}
+           if answers is not None else {}),
+        # k1 summed over a completion's tokens, mean over completions (TRL's objective/kl); not grpo.py's
+        # kl, a k3 mean per token: hence another name
+        "kl_sum": torch.where(mask.bool(), old_logprobs - ref_logprobs, 0.0).sum(dim=1).mean().item(),
+        **{key: sum(u[key] for u in updates) / len(updates) for key in updates[0]},  # the mean over updates
+        "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
+        "completion_length": mask.sum(dim=1).float().mean().item(),
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
-    common.check_settings(cfg)
-    inputs = {"--model": cfg.model, "--reward_model": cfg.reward_model, "--dataset": cfg.dataset}  # never written to
-    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
-    step_batch = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # prompts per step
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--reward_model": cfg.reward_model,
+                                   "--dataset": cfg.dataset})  # settings, output folder, torchrun
+    rows_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # B prompts, one sample each
     if cfg.per_device_train_batch_size % cfg.num_mini_batches:
         common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
                     f"--num_mini_batches ({cfg.num_mini_batches})")
-    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
-    common.check_fsdp(cfg, world_size)
-    common.set_seed(cfg.seed + rank)  # each process samples its own prompts and completions
-    device = common.get_device()
 
-    # data and the four models
-    # GSM8K's schema (question, answer: rule-based accuracy is measured too), or prompts only (the
+    # data: GSM8K's schema (question, answer: rule-based accuracy is measured too), or prompts only (the
     # `prompt` column of a preference dataset such as Dahoas/rm-static: the reward model is the only judge).
     has_answers = "prompt" not in common.load_split(cfg.dataset, "train", columns=()).column_names
     columns = ("question", "answer") if has_answers else ("prompt",)
-    train_data = common.load_split(cfg.dataset, "train", columns)
-    test_data = common.load_split(cfg.dataset, "test", columns)
+    train_data, test_data = common.load_splits(cfg.dataset, columns, cfg.num_eval_examples, rows_per_step)
     if not has_answers and cfg.reward_model == "rule":
         common.fail(f"--reward_model rule checks answers, and {cfg.dataset} has prompts only: pass a reward model")
-    if cfg.num_eval_examples:
-        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
-    if len(train_data) < step_batch:
-        common.fail(f"{cfg.dataset} has {len(train_data)} training prompts, fewer than the {step_batch} a step samples")
+
+    # the four models
     actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
                                          trust_remote_code=cfg.trust_remote_code)
-    common.check_system_prompt(actor, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    longest = common.longest_prompt(tokenizer, list(train_data[columns[0]]) + list(test_data[columns[0]]),
-                                    cfg.system_prompt)
-    common.check_fits_context(actor, longest + cfg.max_completion_length,
-                              f"the longest prompt of {cfg.dataset} plus --max_completion_length")
-    if cfg.gradient_checkpointing:
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_r is not None:  # LoRA: the actor is frozen, adapters are trained
-        actor = common.add_lora(actor, cfg)
-    actor.to(device).train()
-    common.broadcast_weights(actor)  # DDP: every process starts from rank 0's weights (LoRA's A is random)
+    questions = list(train_data[columns[0]]) + list(test_data[columns[0]])
+    common.check_prompts_fit(actor, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
+    actor = run.prepare(actor)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
     reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
-    if cfg.reward_model == "rule":
-        reward_model, critic = None, common.load_model(cfg.model, scalar_head=True,
-                                                       # critic: fresh value head
-                                                       trust_remote_code=cfg.trust_remote_code)[0]
+    if cfg.reward_model == "rule":  # the rule-based checker scores; the critic starts with a fresh value head
+        reward_model = None
+        critic = common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
     else:
         hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True,
-                                         trust_remote_code=cfg.trust_remote_code,
-                                         reward_model=True)[0]
-        reward_model.to(device).eval().requires_grad_(False)
+        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, reward_model=True,
+                                         trust_remote_code=cfg.trust_remote_code)[0]
+        reward_model.to(run.device).eval().requires_grad_(False)
         critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
-    if cfg.gradient_checkpointing:
-        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_r is not None:  # LoRA critic: adapters and its value head are trained
-        critic = common.add_lora(critic, cfg, scalar_head=True)
-    critic.to(device).train()
-    common.broadcast_weights(critic)  # DDP: the same starting weights everywhere (a fresh value head is random)
-    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
-        for model in (actor, reference, critic, reward_model):
-            if model is not None:
-                common.shard_model(model)
-    common.log(common.memory_estimate([actor, critic], [m for m in (reference, reward_model) if m is not None],
-                                      shards=world_size if cfg.fsdp else 1))
-
+    critic = run.prepare(critic, scalar_head=True)  # LoRA critic: adapters and its value head are trained
+    run.shard(actor, reference, critic, reward_model)  # --fsdp: each process keeps 1/N of each model
+    run.log_memory([actor, critic], [reference, reward_model])
     actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
     num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
-    schedulers = [common.warmup_cosine_schedule(opt, cfg.warmup_steps * num_updates // cfg.max_steps, num_updates,
-                                                cfg.min_lr_rate)
-                  for opt in (actor_optimizer, critic_optimizer)]
-    rng = random.Random(cfg.seed + rank)  # DDP: each process its own prompts
+    schedulers = [common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * num_updates // cfg.max_steps,
+                                                num_updates, cfg.min_lr_rate)
+                  for optimizer in (actor_optimizer, critic_optimizer)]
 
-    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
+    def evaluate():  # held-out accuracy; on prompt-only data, the reward model's score of greedy completions
+        if has_answers:
+            return common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                                   cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
+        return held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length,
+                              cfg.system_prompt)
 
-    def evaluate(step):
-        if not has_answers:
-            scores = held_out_score(actor, reward_model, tokenizer, test_data["prompt"], cfg.max_completion_length,
-                                    cfg.system_prompt)
-            common.log_metrics(run_dir, {"step": step, "eval/score": scores["score"]})
-            common.log(f"step {step}: held-out reward-model score of greedy completions {scores['score']:.3f}")
-            return scores
-        scores = common.evaluate(actor, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
-                            cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        common.log_metrics(run_dir, {"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                                     "eval/accuracy_sampled": scores["accuracy_sampled"],
-                                     "time/elapsed": time.perf_counter() - started})
-        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                   f"sampled {scores['accuracy_sampled']:.1%}")
-        return scores
-
-    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
-    training_state = dict(models=[actor, critic], optimizers=[actor_optimizer, critic_optimizer],
-                          schedulers=schedulers, rng=rng)
-    if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(run_dir, **training_state)
-        started -= results.get("elapsed", 0.0)
-        initial, scores, kl_coef = results["initial"], results["scores"], results["kl_coef"]
-    else:
-        common.start_output_dir(run_dir)
-        kl_coef = cfg.kl_coef  # changes only with --target_kl
-        first_step, initial = 0, evaluate(0) if cfg.eval_on_start else None
-        scores = initial
-    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="ppo",
-                    dynamic_ncols=True, disable=not common.show_progress())
-    for step in progress:
+    state = {"kl_coef": cfg.kl_coef}  # changes only with --target_kl; kept in every checkpoint
+    for step in run.steps([actor, critic], [actor_optimizer, critic_optimizer], schedulers, evaluate, state):
         # 1. Rollout: the actor decodes one completion per prompt.
-        t0 = time.perf_counter()
-        step_data = train_data[rng.sample(range(len(train_data)), step_batch)]  # {column: [B values]}
+        step_data = train_data[run.rng.sample(range(len(train_data)), rows_per_step)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
-        with common.gathered(actor):  # FSDP: the full weights, gathered once for the whole rollout
-            prompt_ids, prompt_mask, completion_ids, mask = generate(
-                actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-            )  # [B, P], [B, P], [B, T], [B, T]
+        prompt_ids, prompt_mask, completion_ids, mask = rollout.generate(
+            actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+        )  # [B, P], [B, P], [B, T], [B, T]
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]
         T = completion_ids.shape[1]
-        t1 = time.perf_counter()
 
         # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse, one
         # micro-batch of rows at a time (gradient accumulation: the logits of one micro-batch in memory).
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=device) for _ in range(3))  # [B, T]
-        with torch.no_grad():
+        old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=run.device) for _ in range(3))
+        with torch.no_grad():  # [B, T] each
             for rows in micro_batches:
                 # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
                 # stays even with one epoch and one mini-batch (where the training pass recomputes them).
-                old_logprobs[rows] = completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
-                                                         cfg.temperature)
+                old_logprobs[rows] = rollout.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
+                                                                 cfg.temperature)
                 with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
-                    ref_logprobs[rows] = completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T,
-                                                             cfg.temperature)
+                    ref_logprobs[rows] = rollout.completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T,
+                                                                     cfg.temperature)
                 old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
             if reward_model is None:
-                score = rule_scores(completions, step_data["answer"]).to(device)  # [B]
+                score = rule_scores(completions, step_data["answer"]).to(run.device)  # [B]
             else:
-                score = torch.cat([reward_scores(reward_model, input_ids[rows],
-                                                 attention_mask[rows]) for rows in micro_batches])  # [B]
+                score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows])
+                                   for rows in micro_batches])  # [B]
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
-            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
+            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, state["kl_coef"], cfg.clip_score)
             advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
             if cfg.whiten_advantages:
                 advantages = whiten(advantages, mask)
-        t2 = time.perf_counter()
 
         # 5. PPO epochs over mini-batches of the experience: one actor and one critic update per mini-batch.
-        time_forward = time_backward = 0.0
-        stats = {key: [] for key in ("actor_loss", "critic_loss", "actor_clip", "critic_clip", "entropy")}
+        updates = []  # what each update logs (update_stats)
         for _ in range(cfg.num_ppo_epochs):
             for idx in torch.randperm(len(prompts)).chunk(cfg.num_mini_batches):
                 actor_optimizer.zero_grad(set_to_none=True)
                 critic_optimizer.zero_grad(set_to_none=True)
                 # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
                 step_tokens = common.token_count(mask[idx])
-                # [b, T], detached
-                logprobs, entropy, values = (torch.zeros(len(idx), T, device=device) for _ in range(3))
+                logprobs, entropy, values = (torch.zeros(len(idx), T, device=run.device) for _ in range(3))  # detached
                 actor_loss = critic_loss = 0.0
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
                     rows = idx[part]
-                    t3 = time.perf_counter()
-                    micro_logprobs, entropy[part] = completion_logprobs(
+                    micro_logprobs, entropy[part] = rollout.completion_logprobs(
                         actor, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [b', T]
                     micro_actor_loss = ppo_actor_loss(micro_logprobs, old_logprobs[rows], advantages[rows], mask[rows],
                                                       cfg.cliprange, step_tokens)
                     micro_values = critic_values(critic, input_ids[rows], attention_mask[rows], T)  # [b', T]
                     micro_critic_loss = ppo_critic_loss(micro_values, old_values[rows], returns[rows], mask[rows],
                                                         cfg.cliprange_value, step_tokens)
-                    t4 = time.perf_counter()
                     micro_actor_loss.backward()  # gradients add up over the micro-batches
                     micro_critic_loss.backward()
                     logprobs[part], values[part] = micro_logprobs.detach(), micro_values.detach()
                     actor_loss = actor_loss + micro_actor_loss.detach()
                     critic_loss = critic_loss + micro_critic_loss.detach()
-                    time_forward, time_backward = time_forward + t4 - t3, time_backward + time.perf_counter() - t4
-                t4 = time.perf_counter()
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer),
                                                (critic_loss, critic, critic_optimizer)):
-                    common.average_gradients(model)  # DDP: the same update on every process
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                    # NaN/inf: stop before the update
-                    common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)
+                    run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
                     optimizer.step()
                 for scheduler in schedulers:
                     scheduler.step()
-                time_backward += time.perf_counter() - t4
-                with torch.no_grad():
-                    ratio = torch.exp(torch.where(mask[idx].bool(), logprobs - old_logprobs[idx], 0.0))  # [b, T]
-                    A, R, old_v = advantages[idx], returns[idx], old_values[idx]  # [b, T] each
-                    clipped_ratio = torch.clamp(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange)
-                    clipped_values = torch.clamp(values, old_v - cfg.cliprange_value, old_v + cfg.cliprange_value)
-                    stats["actor_loss"].append(actor_loss.item())
-                    stats["critic_loss"].append(critic_loss.item())
-                    stats["actor_clip"].append(clip_fraction(-A * ratio, -A * clipped_ratio, mask[idx]))
-                    stats["critic_clip"].append(clip_fraction((values - R) ** 2, (clipped_values - R) ** 2, mask[idx]))
-                    stats["entropy"].append(masked_mean(entropy, mask[idx]).item())
+                updates.append(update_stats(actor_loss, critic_loss, logprobs, old_logprobs[idx], values,
+                                            old_values[idx], advantages[idx], returns[idx], entropy, mask[idx], cfg))
 
-        # 6. Logging: the reward model's score and, on the same completions, the rule-based truth.
-        with torch.no_grad():
-            kl = torch.where(mask.bool(), old_logprobs - ref_logprobs, 0.0).sum(dim=1).mean().item()
-        mean = lambda values: sum(values) / len(values)  # noqa: E731
-        metrics = {
-            "step": step,
-            "score": score.mean().item(),
-            **({"accuracy": mean([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])}
-               if has_answers else {}),
-            # k1 summed over a completion's tokens, mean over completions (TRL's objective/kl); not grpo.py's
-            # kl, a k3 mean per token: hence another name
-            "kl_sum": kl,
-            "kl_coef": kl_coef,
-            "loss/actor": mean(stats["actor_loss"]),
-            "loss/critic": mean(stats["critic_loss"]),
-            "clip_fraction/actor": mean(stats["actor_clip"]),
-            "clip_fraction/critic": mean(stats["critic_clip"]),
-            "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
-            "entropy": mean(stats["entropy"]),
-            "completion_length": mask.sum(dim=1).float().mean().item(),
-            "learning_rate": schedulers[0].get_last_lr()[0],
-            "time/generation": t1 - t0,
-            "time/logprobs": t2 - t1 + time_forward,  # the inference passes + the training forward passes
-            "time/backward": time_backward,
-            "time/step": time.perf_counter() - t0,  # the whole step: rollout, rewards, passes, update
-        }
-        metrics = common.reduce_metrics(metrics)  # DDP: the mean over processes
-        common.log_metrics(run_dir, metrics)
+        # 6. Metrics: the reward model's score and, on the same completions, the rule-based truth.
+        metrics = run.log({**step_metrics(score, completions, step_data.get("answer"), mask, old_logprobs, ref_logprobs,
+                                          old_values, returns, updates),
+                           "kl_coef": state["kl_coef"], "learning_rate": schedulers[0].get_last_lr()[0]},
+                          completions={"prompt": prompts, "completion": completions, "score": score.tolist(),
+                                       "reward": torch.where(mask.bool(), rewards, 0.0).sum(dim=1).tolist(),
+                                       "advantage": (advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist()})
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
-            kl_coef = adaptive_kl_coef(kl_coef, metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
-                                       len(prompts) * world_size)
-        # what the policy wrote (rank 0's share)
-        if cfg.log_completions_steps and step % cfg.log_completions_steps == 0:
-            common.log_completions(run_dir, step, prompts, completions, score=score.tolist(),
-                                   reward=torch.where(mask.bool(), rewards, 0.0).sum(dim=1).tolist(),
-                                   advantage=(advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist())
-        progress.set_postfix(score=f"{metrics['score']:.2f}", acc=f"{metrics.get('accuracy', float('nan')):.2f}",
-                             kl=f"{kl:.2f}")
-        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = evaluate(step)
-            common.log(f"  sample: {prompts[0]!r} -> {completions[0]!r} (score {score[0]:.2f})")
-        # after this step's evaluation: a resume repeats nothing
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:
-            elapsed = time.perf_counter() - started
-            results = {"initial": initial, "scores": scores, "kl_coef": kl_coef, "elapsed": elapsed}
-            common.save_training_state(run_dir, cfg, step, results, **training_state)
+            state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
+                                                len(prompts) * run.world_size)
 
-    def change(key):  # "before -> after", or "after" alone without --eval_on_start
-        return (f"{initial[key]:.1%} -> " if initial else "") + f"{scores[key]:.1%}"
-
-    common.save_checkpoint(actor, tokenizer, run_dir, cfg.merge_lora)
-    os.makedirs(os.path.join(run_dir, "critic"), exist_ok=True)
-    common.save_checkpoint(critic, tokenizer, os.path.join(run_dir, "critic"))
-    common.write_json(os.path.join(run_dir, "eval.json"), scores)
-    png = common.plot_metrics(
-        run_dir,
-        {"reward model score": ["score", "eval/score"],
-         "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
-         "kl to reference (k1 sum per completion)": ["kl_sum"], "losses": ["loss/actor", "loss/critic"]},
-        "PPO",
-    )
-    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
-    if has_answers:
-        common.log(
-            f"saved model to {cfg.output_dir}; held-out sampled accuracy {change('accuracy_sampled')}, "
-            f"greedy {change('accuracy_greedy')} (n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}"
-        )
-    else:
-        common.log(
-            f"saved model to {cfg.output_dir}; held-out reward-model score "
-            f"{initial['score'] if initial else float('nan'):.3f} -> {scores['score']:.3f} (n={scores['n']}); "
-            f"curves in {os.path.join(cfg.output_dir, png)}"
-        )
+    run.finish(tokenizer, {"": actor, "critic": critic},
+               {"reward model score": ["score", "eval/score"],
+                "accuracy (rule-based)": ["accuracy", "eval/accuracy_greedy", "eval/accuracy_sampled"],
+                "kl to reference (k1 sum per completion)": ["kl_sum"], "losses": ["loss/actor", "loss/critic"]}, "PPO")
     return actor
 
 

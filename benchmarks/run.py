@@ -70,7 +70,7 @@ def run(name, steps, workdir, extra=()):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
     return {**measured, "step": [r["time/step"] for r in rows], "length": [r["completion_length"] for r in rows],
-            **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "logprobs", "backward")}}
+            **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "forward", "backward")}}
 
 
 def summary(name, runs, per_step=None):
@@ -81,7 +81,7 @@ def summary(name, runs, per_step=None):
         "name": name,
         "step_s": seconds,
         "steps_measured": len(every["step"]),
-        **{part: statistics.median(every[part]) for part in ("generation", "logprobs", "backward") if part in every},
+        **{part: statistics.median(every[part]) for part in ("generation", "forward", "backward") if part in every},
         "completions_per_s": per_step / seconds,
         "tokens_per_s": statistics.mean(every["length"]) * per_step / seconds,
         "peak_rss_mb": max(r["peak_rss_mb"] for r in runs),
@@ -169,13 +169,13 @@ def main():
 
     dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
     print(
-        "\n| run | s/step | generation | log-prob passes | backward + optimizer | completions/s | tokens/s "
+        "\n| run | s/step | generation | forward passes | the rest: backward, optimizer | completions/s | tokens/s "
         "| peak RSS (MB) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'logprobs')} "
+            f"| {r['name']} | {r['step_s']:.2f} | {dash(r, 'generation')} | {dash(r, 'forward')} "
             f"| {dash(r, 'backward')} "
             f"| {r['completions_per_s']:.3g} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |"
         )

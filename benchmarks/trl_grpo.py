@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import common
+import harness
 import grpo
 
 
@@ -55,7 +56,7 @@ def main():
     model, tokenizer = common.load_model(ours.model, missing_hint="run `python sft.py` first")
     if ours.model.endswith(".gguf"):  # TRL loads its reference model from the policy's path: give it a folder
         folder = os.path.join(ours.output_dir, "model")
-        common.save_checkpoint(model, tokenizer, folder)
+        harness.save_checkpoint(model, tokenizer, folder)
         model, tokenizer = common.load_model(folder)
     train = common.load_split(ours.dataset, "train")
     train = datasets.Dataset.from_dict({

@@ -1,9 +1,9 @@
-"""Regenerate the line ranges of the README's concept map ("From the lecture notes to the code").
+"""Regenerate the line ranges of the concept map, docs/concept_map.md ("From the lecture notes to the code").
 
 Each Where cell names a file, a function and optionally a part of it (`step 3`, `creates `critic``);
 its line range follows from the code. After code moves, run
 
-    python docs/concept_map.py          # rewrite README.md's ranges in place
+    python docs/concept_map.py          # rewrite docs/concept_map.md's ranges in place
     python docs/concept_map.py --check  # exit 1 if a range is out of date (what the test checks)
 
 The rules that compute a range live in tests/test_concept_map.py, which CI runs: a row whose
@@ -19,7 +19,7 @@ import test_concept_map as concept_map  # noqa: E402  (the rules, read from the 
 
 
 def regenerate(readme: str) -> tuple[str, list[str]]:
-    """(the README text with every Where range recomputed, the rows that cannot be fixed by a range)."""
+    """(the map's text with every Where range recomputed, the rows that cannot be fixed by a range)."""
     with open(readme, encoding="utf-8") as f:
         lines = f.read().split("\n")
     _, rows = concept_map.read_table()
@@ -29,14 +29,14 @@ def regenerate(readme: str) -> tuple[str, list[str]]:
             continue
         suggestion = re.search(r": write (\[`.*)$", problem)
         if suggestion is None:  # a missing function, a bad cell: a person must decide
-            unfixable.append(f"README line {number}: {problem}")
+            unfixable.append(f"line {number}: {problem}")
             continue
         lines[number - 1] = lines[number - 1].replace(cells[2], suggestion[1], 1)
     return "\n".join(lines), unfixable
 
 
 if __name__ == "__main__":
-    readme = concept_map.README
+    readme = concept_map.MAP
     with open(readme, encoding="utf-8") as f:
         before = f.read()
     after, unfixable = regenerate(readme)

@@ -1,8 +1,8 @@
-"""The README's worked examples: small tables a student can check by hand, computed by the repo's own
-functions, so the prose and the code cannot disagree.
+"""The worked examples of docs/worked_examples.md: small tables a student can check by hand, computed by
+the repo's own functions, so the prose and the code cannot disagree.
 
-    python docs/worked_examples.py           # rewrite the README's section between the markers
-    python docs/worked_examples.py --check   # exit 1 if the README's tables differ from the code's
+    python docs/worked_examples.py           # rewrite docs/worked_examples.md's section between the markers
+    python docs/worked_examples.py --check   # exit 1 if its tables differ from the code's
 
 tests/test_worked_examples.py runs the check.
 """
@@ -139,20 +139,20 @@ def render() -> str:
     return BEGIN + "\n" + "\n\n".join(parts) + "\n" + END
 
 
-def readme_section(text: str) -> str:
+def generated_section(text: str) -> str:
     start, end = text.index(BEGIN), text.index(END) + len(END)
     return text[start:end]
 
 
 if __name__ == "__main__":
-    path = os.path.join(ROOT, "README.md")
+    path = os.path.join(ROOT, "docs", "worked_examples.md")
     with open(path, encoding="utf-8") as file:
         text = file.read()
     new = render()
     if "--check" in sys.argv[1:]:
-        same = readme_section(text) == new
-        print("README worked examples " + ("match the code" if same else "differ: run python docs/worked_examples.py"))
+        same = generated_section(text) == new
+        print("the worked examples " + ("match the code" if same else "differ: run python docs/worked_examples.py"))
         sys.exit(0 if same else 1)
     with open(path, "w", encoding="utf-8") as file:
-        file.write(text.replace(readme_section(text), new))
+        file.write(text.replace(generated_section(text), new))
     print(f"rewrote the worked examples in {path}")

@@ -26,7 +26,7 @@ RM_CONFIG = reward_model.Config(model=SFT_CONFIG.output_dir, max_steps=100, poli
 
 def run(main, cfg):
     """A script's main(cfg), then the notebook's own matplotlib backend back
-    (common.plot_metrics switches to Agg to write its PNG, which would hide the inline plots).
+    (harness.plot_metrics switches to Agg to write its PNG, which would hide the inline plots).
     A notebook run again replaces its earlier run (--overwrite_output_dir)."""
     backend = matplotlib.get_backend()
     main(dataclasses.replace(cfg, overwrite_output_dir=True))

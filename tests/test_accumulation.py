@@ -67,6 +67,7 @@ def test_mix_micro_batches_add_up_to_the_step_loss(loss_type):
     assert_close(grad, expected, terms=terms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, loss_type", [("grpo.py", "grpo"), ("grpo.py", "dapo"), ("mix.py", "grpo"),
                                                ("mix.py", "dapo")])
 def test_accumulation_4_equals_one_pass_end_to_end(sft_checkpoint, tmp_path, script, loss_type):
@@ -113,6 +114,7 @@ def test_ppo_micro_batch_losses_add_up_to_the_mini_batch_loss():
         assert_close(grad, expected, terms=int(mask.sum()))
 
 
+@pytest.mark.slow
 def test_ppo_accumulation_2_equals_one_pass_end_to_end(sft_checkpoint, tmp_path):
     """One PPO step on 16 prompts as 1 micro-batch of 16 or 2 of 8: the same rollout and score,
     the same actor and critic losses to float rounding, and the same actor and critic weights (as

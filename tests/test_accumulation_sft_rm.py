@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import rollout
 import reward_model
 import sft
 from conftest import read_metrics, run_main
@@ -39,7 +40,7 @@ def test_sft_micro_batches_with_the_step_token_count_give_the_one_pass_gradient(
     micro_batches = [sft.collate(examples[i : i + 2], pad) for i in range(0, 8, 2)]
 
     def logprobs(input_ids, attention_mask, answer_mask):
-        return common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1], length_chunks=1)
+        return rollout.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1], length_chunks=1)
 
     input_ids, attention_mask, answer_mask = sft.collate(examples, pad)
     loss = sft.sft_loss(logprobs(input_ids, attention_mask, answer_mask), answer_mask)  # one pass, today's call

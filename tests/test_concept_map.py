@@ -1,10 +1,11 @@
-"""The README's lecture companion table stays true.
+"""The concept map (docs/concept_map.md, the README's lecture companion) stays true.
 
-Under the heading `## From the lecture notes to the code`, README.md maps every concept of the
-lecture notes to the code, one row each:
+Under the heading `## From the lecture notes to the code`, docs/concept_map.md maps every concept of
+the lecture notes to the code, one row each (links relative to docs/, the link text the file's path
+from the repository's root):
 
     | Concept | Note | Where (file, function, lines) | Test |
-    | GAE: ... | 000, 003 | [`ppo.py`](ppo.py#L174-L197) `gae` | `tests/test_rlhf_math.py::test_gae_hand_computed` |
+    | GAE: ... | 000, 003 | [`ppo.py`](../ppo.py#L174-L197) `gae` | `tests/test_rlhf_math.py::test_gae_hand_computed` |
 
 The Where cell is a link to a file with a line range, then the function (or class) in backticks,
 then optionally what part of it the range is:
@@ -23,7 +24,7 @@ drifted after an edit fails even when its old range still falls inside the funct
 The ranges are generated, not typed: after moving code, `python docs/concept_map.py` rewrites
 every range from these rules. This file reads source files with ast only (no torch, no script is
 imported), so it runs in a second. When it fails, its message names the row and the line range to
-write. CONCEPT_MAP_README=path points it at another copy of the README (to check a draft).
+write. CONCEPT_MAP=path points it at another copy of the map (to check a draft).
 """
 import ast
 import os
@@ -32,7 +33,8 @@ import re
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.environ.get("CONCEPT_MAP_README") or os.path.join(ROOT, "README.md")
+MAP = os.environ.get("CONCEPT_MAP") or os.path.join(ROOT, "docs", "concept_map.md")
+LINKS_FROM = os.path.join(ROOT, "docs")  # where the map's links start
 HEADING = "## From the lecture notes to the code"
 COLUMNS = ["Concept", "Note", "Where", "Test"]
 
@@ -79,14 +81,15 @@ REQUIRED_FUNCTIONS = {
     "reward_model.py": ["preference_loss", "sequence_scores", "main"],
     "ppo.py": ["compute_rewards", "gae", "whiten", "ppo_actor_loss", "ppo_critic_loss", "critic_values",
                "reward_scores", "main"],
-    "grpo.py": ["generate", "completion_logprobs", "group_advantages", "kl_k3", "grpo_loss", "correctness_reward",
-                "format_reward", "main"],
+    "grpo.py": ["group_advantages", "kl_k3", "grpo_loss", "correctness_reward", "format_reward", "main"],
     "mix.py": ["mix_loss", "sft_loss", "load_expert_examples", "append_rows", "main"],
-    "common.py": ["reference_model", "memory_estimate", "add_lora", "setup_distributed", "shard_model", "gathered"],
+    "rollout.py": ["generate", "completion_logprobs", "gather_logprobs", "mask_after_eos"],
+    "common.py": ["reference_model", "add_lora", "token_count"],
+    "distributed.py": ["memory_estimate", "setup", "average_gradients", "shard_model", "gathered"],
 }
 
 WHERE = re.compile(
-    r"^\[`(?P<text>[^`]+)`\]\((?P<path>[^)#\s]+)#L(?P<start>\d+)-L(?P<end>\d+)\)"  # [`ppo.py`](ppo.py#L1-L9)
+    r"^\[`(?P<text>[^`]+)`\]\((?P<link>[^)#\s]+)#L(?P<start>\d+)-L(?P<end>\d+)\)"  # [`ppo.py`](../ppo.py#L1-L9)
     r"\s+`(?P<name>[A-Za-z_][\w.]*)`"  # `main`, or a dotted path such as `main.evaluate`
     r"(?P<part>.*)$"  # nothing (the whole function), `step 3`, `creates `x``
 )
@@ -94,20 +97,20 @@ TEST = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 STEP = re.compile(r"^\s*#\s*(\d+[a-z]?)\.(\s|$)")  # a step comment in a loop: "# 3. Group-relative advantages"
 
 
-# --- reading the README ------------------------------------------------------------------------
+# --- reading the map ---------------------------------------------------------------------------
 def split_row(line: str) -> list[str]:
     cells = re.split(r"(?<!\\)\|", line.strip())
     return [cell.strip() for cell in cells[1:-1]]  # drop what is outside the first and last |
 
 
 def read_table():
-    """(header cells, [(README line number, cells)]) of the table under HEADING."""
-    with open(README, encoding="utf-8") as f:
+    """(header cells, [(the map's line number, cells)]) of the table under HEADING."""
+    with open(MAP, encoding="utf-8") as f:
         lines = f.read().splitlines()
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == HEADING)
     except StopIteration:
-        pytest.fail(f"{README} has no section '{HEADING}' (the lecture companion table)")
+        pytest.fail(f"{MAP} has no section '{HEADING}' (the lecture companion table)")
     table = []
     for number, line in enumerate(lines[start + 1 :], start + 2):
         if re.match(r"#{1,2}\s", line):  # the next section
@@ -116,7 +119,7 @@ def read_table():
             table.append((number, split_row(line)))
         elif table and line.strip():  # text after the table ends it
             break
-    assert len(table) >= 3, f"the section '{HEADING}' of {README} has no table with rows"
+    assert len(table) >= 3, f"the section '{HEADING}' of {MAP} has no table with rows"
     (_, header), (_, rule), rows = table[0], table[1], table[2:]
     assert all(set(cell) <= set(":- ") for cell in rule), f"line 2 of the table should be | --- | ... |, not {rule}"
     return header, rows
@@ -128,7 +131,7 @@ def fail_if(problems, title=""):
 
 
 def label(number: int, cells) -> str:
-    return f"README line {number} ({cells[0][:70]!r})" if cells else f"README line {number}"
+    return f"line {number} ({cells[0][:70]!r})" if cells else f"line {number}"
 
 
 # --- reading the code --------------------------------------------------------------------------
@@ -224,12 +227,13 @@ def check_where(cell: str):
     """None if the Where cell is true, else what is wrong and what to write."""
     match = WHERE.match(cell)
     if not match:
-        return (f"the Where cell {cell!r} is not of the form "
-                "[`file.py`](file.py#L<start>-L<end>) `function` (optionally followed by `step N` or `creates `name``)")
-    path, text, name, part = match["path"], match["text"], match["name"], match["part"].strip()
+        return (f"the Where cell {cell!r} is not of the form [`file.py`](../file.py#L<start>-L<end>) `function` "
+                "(optionally followed by `step N` or `creates `name``)")
+    link, text, name, part = match["link"], match["text"], match["name"], match["part"].strip()
+    path = os.path.relpath(os.path.normpath(os.path.join(LINKS_FROM, link)), ROOT)  # from the repository's root
     start, end = int(match["start"]), int(match["end"])
     if text != path:
-        return f"the link text `{text}` and its target {path} name different files"
+        return f"the link text `{text}` and its target {link} ({path}) name different files"
     if not os.path.isfile(os.path.join(ROOT, path)):
         return f"{path} does not exist"
     if start > end:
@@ -244,7 +248,7 @@ def check_where(cell: str):
             return None
         node = nodes[0]
         return (f"`{name}` spans {path} {spans}, not L{start}-L{end}: write "
-                f"[`{path}`]({path}#L{node.lineno}-L{node.end_lineno}) `{name}`")
+                f"[`{path}`]({link}#L{node.lineno}-L{node.end_lineno}) `{name}`")
     step, creates = re.fullmatch(r"step\s+(\d+[a-z]?)", part), re.fullmatch(r"creates\s+((?:`\w+`[,\s]*)+)", part)
     if not (step or creates):
         return f"after `{name}` write nothing (the whole function), `step N` or `creates `name``, not {part!r}"
@@ -261,7 +265,7 @@ def check_where(cell: str):
         return None
     _, first, last = ranges[0]
     return (f"{what} of `{name}` is {path} L{first}-L{last}, not L{start}-L{end}: write "
-            f"[`{path}`]({path}#L{first}-L{last}) `{name}` {part}")
+            f"[`{path}`]({link}#L{first}-L{last}) `{name}` {part}")
 
 
 def test_table_has_the_four_columns():
@@ -286,7 +290,7 @@ def test_every_where_cell_points_at_its_function_and_lines():
     for number, cells in rows:
         if len(cells) == 4 and (problem := check_where(cells[2])):
             wrong.append(f"{label(number, cells)}: {problem}")
-    fail_if(wrong, f"{len(wrong)} row(s) of '{HEADING}' in {README} are out of date "
+    fail_if(wrong, f"{len(wrong)} row(s) of '{HEADING}' in {MAP} are out of date "
                    "(python docs/concept_map.py rewrites the ranges):")
 
 
@@ -313,7 +317,7 @@ def test_the_table_covers_the_notes():
     missing = [what for what, pattern in REQUIRED_CONCEPTS
                if not any(re.search(pattern, concept, re.IGNORECASE) for concept in concepts)]
     fail_if(missing, "no row's Concept covers:")
-    cited = {(m["path"], m["name"]) for _, cells in rows if len(cells) == 4 and (m := WHERE.match(cells[2]))}
+    cited = {(m["text"], m["name"]) for _, cells in rows if len(cells) == 4 and (m := WHERE.match(cells[2]))}
     uncited = [f"{path} `{name}`" for path,
                names in REQUIRED_FUNCTIONS.items() for name in names if (path, name) not in cited]
     fail_if(uncited, "no row's Where cell points at:")

@@ -15,12 +15,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
+import harness
+import rollout
 import grpo
 import mix
 import ppo
 import reward_model
 import sft
 from floats import assert_close, tolerance
+
+pytestmark = pytest.mark.slow  # the real model: loading it alone takes ~13 s
 
 COMPLETION = "<think>12+5=17</think><answer>17</answer>"
 
@@ -48,7 +52,7 @@ def smollm2_folder(policy, tmp_path_factory):
     """The GGUF model saved once as a plain model folder: the end-to-end runs of four scripts start
     from it (a GGUF load takes ~13 s here, a folder ~1 s); grpo.py reads the .gguf itself."""
     folder = str(tmp_path_factory.mktemp("smollm2"))
-    common.save_checkpoint(*policy, folder)
+    harness.save_checkpoint(*policy, folder)
     return folder
 
 
@@ -93,7 +97,7 @@ def test_gguf_loads_as_a_plain_fp32_model_equal_to_transformers_gguf_load(gguf_p
 
 def test_saved_gguf_model_reloads_from_its_folder_with_identical_logits(policy, batch, tmp_path):
     model, tokenizer = policy
-    common.save_checkpoint(model, tokenizer, str(tmp_path))
+    harness.save_checkpoint(model, tokenizer, str(tmp_path))
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(tmp_path))
     reloaded, reloaded_tokenizer = common.load_model(str(tmp_path))
     assert torch.equal(logits(reloaded, batch), logits(model, batch))  # the same fp32 weights, copied
@@ -130,7 +134,7 @@ def test_scalar_head_on_the_gguf_transformer(gguf_path, policy, batch):
     assert scorer.config.num_labels == 1 and scorer.config.pad_token_id == tokenizer.pad_token_id
     assert logits(scorer, batch).shape == (2, 1)
     # the same transformer weights and code as the policy: bit-identical hidden states
-    assert torch.equal(common.last_hidden_states(scorer, *batch), common.last_hidden_states(model, *batch))
+    assert torch.equal(rollout.last_hidden_states(scorer, *batch), rollout.last_hidden_states(model, *batch))
 
 
 # --- LoRA on a GGUF base ---------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def test_lora_adapter_on_gguf_base_saves_alone_and_reloads_merged(gguf_path, pol
     for name, parameter in lora.named_parameters():
         if "lora_B" in name:  # B = 0 would make the adapter a no-op
             torch.nn.init.normal_(parameter, std=0.02)
-    common.save_checkpoint(lora, tokenizer, str(tmp_path))
+    harness.save_checkpoint(lora, tokenizer, str(tmp_path))
     assert "model.safetensors" not in os.listdir(tmp_path)  # the adapter only
     with open(tmp_path / "adapter_config.json") as f:
         assert json.load(f)["base_model_name_or_path"] == os.path.abspath(gguf_path)
@@ -203,8 +207,8 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
     model, tokenizer = policy
     torch.manual_seed(0)
     prompts = [common.make_prompt(tokenizer, "What is 12 + 5?")] * 2
-    _, _, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 24)
-    assert torch.equal(completion_mask, common.mask_after_eos(completion_ids, tokenizer.eos_token_id))
+    _, _, completion_ids, completion_mask = rollout.generate(model, tokenizer, prompts, 24)
+    assert torch.equal(completion_mask, rollout.mask_after_eos(completion_ids, tokenizer.eos_token_id))
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     assert all("<|im_end|>" not in c and "<|im_start|>" not in c for c in completions)
     rewards = grpo.correctness_reward(prompts, [COMPLETION, "<answer>16</answer>"], answer=["#### 17"] * 2)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+import rollout
 import grpo
 import mix
 import ppo
@@ -150,6 +151,7 @@ SHORT = ["--max_steps", "2", "--eval_steps", "100", "--num_eval_examples", "8", 
          "--num_generations", "4", "--eval_on_start", "false", "--warmup_steps", "1"]
 
 
+@pytest.mark.slow
 def test_grpo_completions_jsonl_holds_what_was_trained_on(sft_checkpoint, tmp_path):
     """Every completion of each logged step, with its rewards and the advantage the loss used, and
     frac_reward_zero_std agrees with the groups it shows."""
@@ -172,6 +174,7 @@ def test_grpo_completions_jsonl_holds_what_was_trained_on(sft_checkpoint, tmp_pa
             assert row["prompt"].endswith("assistant\n") and isinstance(row["completion"], str)
 
 
+@pytest.mark.slow
 def test_mix_and_ppo_write_completions_jsonl(sft_checkpoint, tmp_path):
     run_main("mix.py", "--model", sft_checkpoint, "--output_dir", str(tmp_path / "mix"), *SHORT,
              "--log_completions_steps", "2")
@@ -190,10 +193,11 @@ def test_mix_and_ppo_write_completions_jsonl(sft_checkpoint, tmp_path):
 def test_drop_truncated_hand_computed():
     eos = 9
     ids = torch.tensor([[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0], [5, 6, 9, 9]])
-    mask = common.mask_after_eos(ids, eos)  # [[1,1,0,0], [1,1,1,1], [1,0,0,0], [1,1,1,0]]
+    mask = rollout.mask_after_eos(ids, eos)  # [[1,1,0,0], [1,1,1,1], [1,0,0,0], [1,1,1,0]]
     assert grpo.drop_truncated(ids, mask, eos).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
 
 
+@pytest.mark.slow
 def test_mask_truncated_completions_changes_the_loss_only(sft_checkpoint, tmp_path):
     """Same seed, same first rollout (the option acts after it): the rewards and lengths of step 1
     are the same, and its loss differs, because at 24 new tokens part of the completions are cut off."""

@@ -3,7 +3,7 @@ import math
 
 import torch
 
-import common
+import rollout
 from floats import approx, assert_close
 from grpo import clip_fraction, group_advantages, grpo_loss, kl_k3
 from sft import sft_loss
@@ -13,21 +13,21 @@ def test_gather_logprobs_hand_computed():
     logits = torch.tensor([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]])  # [1, 2, 3]
     labels = torch.tensor([[2, 1]])
     expected = [3 - math.log(math.e + math.e**2 + math.e**3), -math.log(3)]
-    assert_close(common.gather_logprobs(logits, labels), [expected], terms=6)  # a logsumexp of 3 terms
+    assert_close(rollout.gather_logprobs(logits, labels), [expected], terms=6)  # a logsumexp of 3 terms
 
 
 def test_gather_logprobs_matches_log_softmax():
     torch.manual_seed(0)
     logits, labels = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
     reference = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    assert_close(common.gather_logprobs(logits, labels), reference, terms=10)  # logsumexps of 7 terms
+    assert_close(rollout.gather_logprobs(logits, labels), reference, terms=10)  # logsumexps of 7 terms
 
 
 def test_mask_after_eos_keeps_first_eos_only():
     eos = 9
     ids = torch.tensor([[1, 2, eos, 0, 0], [eos, 3, eos, 4, 5], [1, 2, 3, 4, 5]])
     expected = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
-    assert torch.equal(common.mask_after_eos(ids, eos), expected)
+    assert torch.equal(rollout.mask_after_eos(ids, eos), expected)
 
 
 # --- sft_loss -------------------------------------------------------------------------------

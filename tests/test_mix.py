@@ -1,12 +1,12 @@
 """mix.py: the mixed loss by hand, the batch split, the expert data, a training step, a short run."""
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
 import common
+import rollout
 from floats import approx, assert_close, forward_terms
 import grpo
 import mix
@@ -98,14 +98,14 @@ def test_append_rows_keeps_the_rollout_layout():
     torch.manual_seed(0)
     tokenizer = common.build_tokenizer()
     model = common.build_tiny_model(tokenizer).eval()
-    rollout = [tokenizer("<|im_start|>user\nWhat is 1 + 2?", add_special_tokens=False)["input_ids"], [51, 52]]
+    sampled = [tokenizer("<|im_start|>user\nWhat is 1 + 2?", add_special_tokens=False)["input_ids"], [51, 52]]
     expert = [tokenizer("<|im_start|>user\nWhat is 10 + 20?", add_special_tokens=False)["input_ids"], [53, 54, 55, 56]]
     alone_ids, alone_mask, answer_mask = sft.collate([expert], tokenizer.pad_token_id)
-    alone = common.completion_logprobs(model, alone_ids, alone_mask, answer_mask.shape[1])
-    p_ids, p_mask, c_ids, c_mask = mix.append_rows(*common.pad_left([rollout[0]], tokenizer.pad_token_id),
-                                                   *common.pad_right([rollout[1]], tokenizer.pad_token_id),
+    alone = rollout.completion_logprobs(model, alone_ids, alone_mask, answer_mask.shape[1])
+    p_ids, p_mask, c_ids, c_mask = mix.append_rows(*rollout.pad_left([sampled[0]], tokenizer.pad_token_id),
+                                                   *rollout.pad_right([sampled[1]], tokenizer.pad_token_id),
                                                    [expert], tokenizer.pad_token_id)
-    both = common.completion_logprobs(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
+    both = rollout.completion_logprobs(model, torch.cat([p_ids, c_ids], 1), torch.cat([p_mask, c_mask], 1),
                                       c_ids.shape[1])
     assert_close(both[1], alone[0], terms=forward_terms(model.config))  # another batch: other padding
 
@@ -151,14 +151,22 @@ def test_mix_is_grpo_plus_the_expert_term():
     import inspect
     for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "drop_truncated",
                  "importance_ratio",
-                 "grpo_loss", "masked_mean_per_sequence", "clip_fraction"):
+                 "grpo_loss", "masked_mean_per_sequence", "clip_fraction", "step_metrics"):
         assert inspect.getsource(getattr(mix, name)) == inspect.getsource(getattr(grpo, name)), name
-    # and the whole file differs from grpo.py by a bounded, reviewable set of removed lines
-    diff = subprocess.run(["diff", "grpo.py", "mix.py"], cwd=ROOT, capture_output=True, text=True).stdout
-    removed = [line for line in diff.splitlines() if line.startswith("< ")]
-    assert len(removed) < 40, removed
+    # and the code (below the module docstrings, which each describe their own script) differs from
+    # grpo.py's by a bounded, reviewable set of removed lines
+    import ast
+    import difflib
+    code = {}
+    for name in ("grpo.py", "mix.py"):
+        with open(os.path.join(ROOT, name)) as f:
+            text = f.read()
+        code[name] = text.splitlines()[ast.parse(text).body[0].end_lineno:]
+    removed = [line for line in difflib.ndiff(code["grpo.py"], code["mix.py"]) if line.startswith("- ")]
+    assert len(removed) < 35, removed
 
 
+@pytest.mark.slow
 def test_mix_step_changes_weights_and_batch_split(sft_checkpoint, tmp_path):
     """Two steps with the default split: 96 rollout rows (12 prompts x 8) + 32 expert rows."""
     out = str(tmp_path / "mix")
@@ -177,6 +185,7 @@ def test_mix_step_changes_weights_and_batch_split(sft_checkpoint, tmp_path):
     assert all(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_mix_with_only_the_sft_term_raises_expert_likelihood(sft_checkpoint, tmp_path):
     """mu = 1 is pure SFT on the expert rows: over a few steps their NLL falls."""
     out = str(tmp_path / "mix")

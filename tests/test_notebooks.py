@@ -17,6 +17,8 @@ from nbclient import NotebookClient
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # each notebook trains small models
+
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 

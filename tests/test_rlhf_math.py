@@ -4,6 +4,7 @@ import math
 import torch
 
 import common
+import rollout
 import grpo
 import ppo
 import reward_model
@@ -43,8 +44,8 @@ def test_scores_read_the_last_real_token_whatever_the_padding():
     model, tokenizer = _scalar_head_model()
     prompts = [[10, 11, 12], [13]]
     responses = [[20, 21, tokenizer.eos_token_id], [22, 23, 24, 25, tokenizer.eos_token_id]]
-    prompt_ids, prompt_mask = common.pad_left(prompts, tokenizer.pad_token_id)
-    response_ids, response_mask = common.pad_right(responses, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = rollout.pad_left(prompts, tokenizer.pad_token_id)
+    response_ids, response_mask = rollout.pad_right(responses, tokenizer.pad_token_id)
     input_ids, attention_mask = torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
     T = response_ids.shape[1]
     with torch.no_grad():
@@ -105,7 +106,8 @@ def test_gae_hand_computed():
 def test_gae_gamma_lam_one_is_reward_to_go_minus_value():
     torch.manual_seed(0)
     values, rewards = torch.randn(4, 6), torch.randn(4, 6)
-    mask = common.mask_after_eos(torch.tensor([[1, 1, 9, 0, 0, 0], [1] * 6, [9, 0, 0, 0, 0, 0], [1, 1, 1, 1, 9, 0]]), 9)
+    ids = torch.tensor([[1, 1, 9, 0, 0, 0], [1] * 6, [9, 0, 0, 0, 0, 0], [1, 1, 1, 1, 9, 0]])
+    mask = rollout.mask_after_eos(ids, 9)
     advantages, returns = ppo.gae(values, rewards, mask, gamma=1.0, lam=1.0)
     masked_rewards = rewards * mask
     reward_to_go = masked_rewards.flip(1).cumsum(1).flip(1)

@@ -21,6 +21,7 @@ def rm_checkpoint(sft_checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_reward_model_learns_and_writes_its_outputs(rm_checkpoint):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json",
                  "reward_model.png"):
@@ -44,6 +45,7 @@ def _fixed_problems(tmp_path, n=8):
     return str(data)
 
 
+@pytest.mark.slow
 def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoint, rm_checkpoint, tmp_path):
     out = str(tmp_path / "ppo")
     run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", rm_checkpoint, "--dataset",
@@ -55,7 +57,7 @@ def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoin
     first, last = [r["score"] for r in rows[:5]], [r["score"] for r in rows[-5:]]
     assert z_gain(first, last) > 2, (first, last)  # up by more than twice the step-to-step noise
     for key in ("accuracy", "kl_sum", "loss/actor", "loss/critic", "clip_fraction/actor", "clip_fraction/critic",
-                "value_error", "entropy", "completion_length", "time/generation", "time/logprobs", "time/backward"):
+                "value_error", "entropy", "completion_length", "time/generation", "time/forward", "time/backward"):
         assert key in rows[0], key
     assert os.path.isfile(os.path.join(out, "ppo.png"))
     # a PPO step changed every tensor of the actor (from the SFT model) and of the critic (from the RM)
@@ -65,6 +67,7 @@ def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoin
         assert all(not (before[k] == after[k]).all() for k in before), start
 
 
+@pytest.mark.slow
 def test_ppo_with_several_epochs_and_mini_batches_and_the_rule_reward(sft_checkpoint, tmp_path):
     out = str(tmp_path / "ppo")
     run_main("ppo.py", "--model", sft_checkpoint, "--reward_model", "rule", "--output_dir", out, "--max_steps", "2",

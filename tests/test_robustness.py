@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common
+import harness
 import grpo
 import mix
 import ppo
@@ -267,6 +268,7 @@ def test_bad_input_from_the_command_line_exits_1_without_traceback(tmp_path):
 
 
 # --- training faults -----------------------------------------------------------------------------
+@pytest.mark.slow
 def test_nan_stops_at_the_step_and_keeps_the_last_good_checkpoint(sft_checkpoint, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(sft_checkpoint, broken)
@@ -284,6 +286,7 @@ def test_nan_stops_at_the_step_and_keeps_the_last_good_checkpoint(sft_checkpoint
     assert (out / "model.safetensors").read_text() == "the last good model"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_weights_diverge_is_not_kept(tmp_path):
     """With --save_steps 1 and a learning rate that explodes the model, the checkpoint written
     after the last finite step holds weights that give NaN: it is dropped, and the one kept is the
@@ -306,19 +309,20 @@ def test_check_finite_promotes_a_checkpoint_only_after_finite_values(tmp_path):
     for name, step in (("checkpoint", 4), ("checkpoint.new", 6)):
         write(tmp_path / name / "state.pt", f"step {step}")
     with pytest.raises(SystemExit, match="step 7: the loss is inf"):
-        common.check_finite(7, str(tmp_path), grad_norm=1.0, loss=float("inf"))
+        harness.check_finite(7, str(tmp_path), grad_norm=1.0, loss=float("inf"))
     assert (
         sorted(os.listdir(tmp_path)) == ["checkpoint"]
         and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 4"
     )
     write(tmp_path / "checkpoint.new" / "state.pt", "step 8")
-    common.check_finite(9, str(tmp_path), grad_norm=1.0, loss=0.5)
+    harness.check_finite(9, str(tmp_path), grad_norm=1.0, loss=0.5)
     assert (
         sorted(os.listdir(tmp_path)) == ["checkpoint"]
         and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 8"
     )
 
 
+@pytest.mark.slow
 def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
     """A missing or torn metrics.jsonl does not make a good checkpoint unusable: the checkpoint
     holds the metrics logged up to its step, and --resume writes them back."""
@@ -350,6 +354,7 @@ def test_every_numeric_setting_has_a_range():
                 assert "usable" in field.metadata, f"{name} --{field.name} has no range check (declare it with setting)"
 
 
+@pytest.mark.slow
 def test_one_writer_per_folder(tmp_path):
     """A second run into a folder that a running run writes to stops with one sentence."""
     out = str(tmp_path / "out")
@@ -375,6 +380,7 @@ def test_one_writer_per_folder(tmp_path):
         first.wait()
 
 
+@pytest.mark.slow
 def test_a_full_model_replaces_an_older_lora_adapter(sft_checkpoint, tmp_path):
     """A LoRA run's folder holds adapter files; a full run written over it must not leave them
     there (load_model would merge the old adapter instead of reading the new weights)."""
@@ -421,6 +427,7 @@ RUNS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(RUNS))
 def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_checkpoint, tmp_path, script):
     """Determinism: two runs of the same seed log the same metrics (timings aside) and end with the
@@ -466,19 +473,19 @@ def _check_old_whole_or_new_resumable(folder, old, unbroken_new):
     """The invariant after a kill: the old run is whole (and --resume either continues the new run
     from its own checkpoint or says it has none), or the new run is resumable; either way a
     --resume ends exactly as the unbroken new run, or refuses in one sentence and changes nothing."""
-    next_run_checkpoint = common.newest_checkpoint(os.path.join(folder, common.NEXT_RUN))
+    next_run_checkpoint = harness.newest_checkpoint(os.path.join(folder, harness.NEXT_RUN))
     if _visible(folder) != old:  # not the old run: then the new run must have moved in with its checkpoint
-        assert common.newest_checkpoint(folder) or os.path.isfile(os.path.join(folder, common.NEXT_RUN, ".complete"))
+        assert harness.newest_checkpoint(folder) or os.path.isfile(os.path.join(folder, harness.NEXT_RUN, ".complete"))
     if _visible(folder) == old and next_run_checkpoint is None:  # --resume finds the old run's checkpoint, or none
         result = run("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true", check=False)
-        refusal = ("stopped before its first checkpoint" if os.path.isdir(os.path.join(folder, common.NEXT_RUN))
+        refusal = ("stopped before its first checkpoint" if os.path.isdir(os.path.join(folder, harness.NEXT_RUN))
                    else "--resume continues the run as it was set, and --max_steps was 6, now 10")
         assert result.returncode == 1 and refusal in result.stderr, result.stderr[-2000:]
         assert _visible(folder) == old
         return "old whole, new not started"
     run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true")
     assert_same_run(unbroken_new, folder)
-    assert not os.path.exists(os.path.join(folder, common.NEXT_RUN))
+    assert not os.path.exists(os.path.join(folder, harness.NEXT_RUN))
     return "new resumed"
 
 
@@ -492,6 +499,7 @@ KILL_POINTS = [
 ]  # the move-in itself, a few renames: test_a_crash_inside_the_move_in_is_finished_by_the_next_run
 
 
+@pytest.mark.slow
 def test_a_kill_at_any_point_of_a_run_over_an_old_one_leaves_the_old_whole_or_the_new_resumable(tmp_path):
     old_folder, unbroken = str(tmp_path / "old"), str(tmp_path / "unbroken")
     run_main("sft.py", *OLD_RUN, "--output_dir", old_folder)
@@ -503,11 +511,12 @@ def test_a_kill_at_any_point_of_a_run_over_an_old_one_leaves_the_old_whole_or_th
         folder = str(tmp_path / f"run{number}")
         shutil.copytree(old_folder, folder)
         process = _start("sft.py", [*NEW_RUN, "--output_dir", folder, "--overwrite_output_dir", "true"])
-        _signal_when(process, lambda: condition(os.path.join(folder, common.NEXT_RUN)), sig)
+        _signal_when(process, lambda: condition(os.path.join(folder, harness.NEXT_RUN)), sig)
         outcomes.append(_check_old_whole_or_new_resumable(folder, old, unbroken))
     assert "old whole, new not started" in outcomes and "new resumed" in outcomes, outcomes
 
 
+@pytest.mark.slow
 def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkeypatch):
     """The move-in of a finished run is several renames; a crash between two of them (simulated:
     the third rename fails) leaves .next_run marked complete, and the next run into the folder
@@ -518,20 +527,20 @@ def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkey
     renames, replace = [], os.replace
 
     def crash_on_the_third(source, target):  # of the renames out of .next_run, not those of a save
-        if os.path.dirname(source) == os.path.join(old_folder, common.NEXT_RUN):
+        if os.path.dirname(source) == os.path.join(old_folder, harness.NEXT_RUN):
             renames.append(target)
             if len(renames) == 3:
                 raise OSError("simulated crash")
         replace(source, target)
 
-    monkeypatch.setattr(common.os, "replace", crash_on_the_third)
+    monkeypatch.setattr(harness.os, "replace", crash_on_the_third)
     with pytest.raises(OSError, match="simulated crash"):
         run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--overwrite_output_dir", "true")
     monkeypatch.undo()
-    assert os.path.isfile(os.path.join(old_folder, common.NEXT_RUN, ".complete"))
+    assert os.path.isfile(os.path.join(old_folder, harness.NEXT_RUN, ".complete"))
     run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--resume", "true")
     assert_same_run(unbroken, old_folder)
-    assert not os.path.exists(os.path.join(old_folder, common.NEXT_RUN))
+    assert not os.path.exists(os.path.join(old_folder, harness.NEXT_RUN))
 
 
 def test_a_small_share_of_bad_rows_is_skipped_and_counted(tmp_path, capsys):

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 import common
+import distributed
+import rollout
 import grpo
 from conftest import ROOT, assert_same_run, read_metrics, run, run_main
 from floats import assert_close, forward_terms, tolerance
@@ -25,6 +27,7 @@ def torchrun(*args, nproc=2):
 
 
 # --- torchrun ----------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_two_process_losses_and_gradients_equal_one_process(tmp_path, parallelism):
     """Token means over the global batch: 2 processes on halves of a batch (3 and 21 tokens) give
@@ -45,6 +48,7 @@ def test_two_process_losses_and_gradients_equal_one_process(tmp_path, parallelis
     assert (wrong - right).abs().max().item() > 1000 * allowed  # the check above would catch it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args", [
     ("grpo", ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"]),
     ("sft", ["--model", "tiny", "--max_steps", "4", "--per_device_train_batch_size", "8"]),
@@ -62,6 +66,7 @@ def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_p
         assert json.load(f)["n"] == 8  # each process evaluated 4 problems; the counts were summed
 
 
+@pytest.mark.slow
 def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
     out = str(tmp_path / "grpo")
     torchrun("grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
@@ -71,6 +76,7 @@ def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
         assert json.load(f)["n"] == 1
 
 
+@pytest.mark.slow
 def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, tmp_path):
     """Multi-node torchrun on localhost: two "nodes" of one process each (their own torchrun, joined by
     a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights."""
@@ -101,7 +107,7 @@ def test_process_shares_cut_as_datasets_does_and_may_be_empty():
     for num_rows in range(10):
         data = datasets.Dataset.from_dict({"x": list(range(num_rows))})
         for world_size in range(1, 5):
-            shares = [common.share_rows(num_rows, rank, world_size) for rank in range(world_size)]
+            shares = [distributed.share_rows(num_rows, rank, world_size) for rank in range(world_size)]
             assert [i for share in shares for i in share] == list(range(num_rows))  # every row once, in order
             if num_rows >= world_size:  # where datasets can cut, it cuts the same
                 assert [list(share) for share in shares] == [
@@ -150,6 +156,7 @@ FSDP_RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args", FSDP_RUNS, ids=[s + (" LoRA" * ("--lora_r" in a)) for s, a in FSDP_RUNS])
 def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_short, tmp_path, script, args):
     """Every script under torchrun with --fsdp: the same metrics and weights as the same two-process
@@ -176,8 +183,8 @@ def test_memory_estimate_divides_what_fsdp_shards():
         model = common.build_tiny_model(tokenizer, hidden_size=512, num_layers=4, num_heads=8)
     n = sum(p.numel() for p in model.parameters())
     gib = lambda text: [float(line.split()[-2]) for line in text.splitlines()[1:]]  # noqa: E731
-    one = gib(common.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50))
-    four = gib(common.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50,
+    one = gib(distributed.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50))
+    four = gib(distributed.memory_estimate([model], [model], rows=4, sequence_length=100, completion_length=50,
                                       shards=4))
     expected_one = [4 * n, 4 * n, 8 * n, 4 * n]  # bytes: weights, gradients, AdamW, frozen copy
     assert one[:4] == pytest.approx([b / 2**30 for b in expected_one], abs=5e-4)  # printed to 3 decimals
@@ -187,6 +194,7 @@ def test_memory_estimate_divides_what_fsdp_shards():
     assert four[-1] == pytest.approx(sum(four[:-1]), abs=5e-3) and four[-1] < one[-1]
 
 
+@pytest.mark.slow
 def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpoint, tmp_path):
     """--fsdp writes its resumable checkpoints sharded (each process its own part of the weights and
     AdamW states, torch.distributed.checkpoint). A run killed after its step-2 checkpoint, then
@@ -227,14 +235,14 @@ def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model
     start = {k: v.clone() for k, v in base.state_dict().items()}
     model = common.add_lora(base, LoraConfig())
     prompts = [common.make_prompt(tokenizer, "What is 1 + 2?")] * 4
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 8)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(model, tokenizer, prompts, 8)
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     T = completion_ids.shape[1]
-    base_logprobs = common.completion_logprobs(model, input_ids, attention_mask, T).detach()  # B = 0: LoRA is a no-op
-    logprobs = common.completion_logprobs(model, input_ids, attention_mask, T)
+    base_logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, T).detach()  # B = 0: LoRA is a no-op
+    logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, T)
     advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
     with common.reference_model(model, None) as reference:
-        ref_logprobs = common.completion_logprobs(reference, input_ids, attention_mask, T)
+        ref_logprobs = rollout.completion_logprobs(reference, input_ids, attention_mask, T)
     loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, completion_mask, 0.2, 0.04)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
@@ -247,9 +255,9 @@ def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model
     assert all(not torch.equal(p, lora_before[n]) for n, p in model.named_parameters() if "lora_B" in n)
     # the adapter now changes the policy; switched off, it is exactly the starting model (pi_ref)
     with torch.no_grad():
-        trained = common.completion_logprobs(model, input_ids, attention_mask, T)
+        trained = rollout.completion_logprobs(model, input_ids, attention_mask, T)
         with common.reference_model(model, None) as reference:
-            ref = common.completion_logprobs(reference, input_ids, attention_mask, T)
+            ref = rollout.completion_logprobs(reference, input_ids, attention_mask, T)
     real = completion_mask.bool()
     assert not torch.allclose(trained[real], base_logprobs[real])
     assert torch.equal(ref[real], base_logprobs[real])  # B = 0 adds exactly 0.0 to every base output
@@ -263,6 +271,7 @@ def rm_short(sft_checkpoint, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     """--lora_r 8 on every script; a LoRA run saves its adapter, and the next script loads it merged."""
     short = ["--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1", "--lora_r", "8"]
@@ -290,6 +299,7 @@ def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
     assert any("score" in name for name in adapter)
 
 
+@pytest.mark.slow
 def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
     """Peak resident memory of 2 GRPO steps on a 34M-parameter model: full fine-tuning holds
     gradients, AdamW states and a reference copy of every weight; LoRA of the adapters only."""
@@ -356,6 +366,7 @@ def test_gsm8k_schema_answer_parsing_and_reward():
     assert not common.is_correct("<think>...</think><answer>71</answer>", GSM8K_ROWS[0]["answer"])
 
 
+@pytest.mark.slow
 def test_sft_and_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "gsm8k", GSM8K_ROWS)
     short = ["--eval_steps", "100", "--warmup_steps", "1", "--max_completion_length", "160"]
@@ -368,6 +379,7 @@ def test_sft_and_mix_read_gsm8k_files(sft_checkpoint, tmp_path):
             "--max_steps", "1", "--num_generations", "4", *batch, *short)
 
 
+@pytest.mark.slow
 def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
     data = _folder(tmp_path, "rm_static", RM_STATIC_ROWS)
     run_main("sft.py", "--model", sft_checkpoint, "--dataset", data, "--output_dir", str(tmp_path / "sft"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import rollout
 import grpo
 import sft
 from floats import approx, forward_terms
@@ -26,6 +27,7 @@ def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
     assert losses[-1] < 0.1 * losses[0]
 
 
+@pytest.mark.slow
 def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     """30 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise.
     (The held-out file repeats the 8 problems 16 times: 512 samples, so its accuracy is not noise.)"""
@@ -48,13 +50,14 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     evals = [row["eval/accuracy_sampled"] for row in metrics if "eval/accuracy_sampled" in row]
     assert z_accuracy(evals[0], evals[-1], n=512) > 2, evals
     for key in ("loss", "reward_std", "accuracy", "kl", "completion_length", "clip_fraction",
-                "time/generation", "time/logprobs", "time/backward"):
+                "time/generation", "time/forward", "time/backward"):
         assert key in rows[0], key
     assert os.path.isfile(os.path.join(out, "grpo.png")) and os.path.isfile(os.path.join(out, "model.safetensors"))
     with open(os.path.join(out, "eval.json")) as f:
         assert json.load(f)["n"] == 128
 
 
+@pytest.mark.slow
 def test_grpo_multiple_iterations_and_dapo_run(sft_checkpoint, tmp_path):
     out = str(tmp_path / "grpo")
     run_main("grpo.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "2", "--num_iterations", "2",
@@ -71,6 +74,7 @@ def test_grpo_without_sft_checkpoint_says_what_to_run(tmp_path):
     assert "run `python sft.py` first" in str(stop.value.code)
 
 
+@pytest.mark.slow
 def test_help_from_the_command_line_shows_the_docstring_and_every_field():
     help_text = run("grpo.py", "--help").stdout
     assert "Group Relative Policy Optimization" in help_text
@@ -96,7 +100,7 @@ def test_sft_step_changes_weights_and_ignores_prompt_tokens():
     examples = [(tokenizer("<|im_start|>user\nWhat is 1 + 2?", add_special_tokens=False)["input_ids"], [51, 52]),
                 (tokenizer("<|im_start|>user\nWhat is 12 + 3?", add_special_tokens=False)["input_ids"], [53])]
     input_ids, attention_mask, answer_mask = sft.collate(examples, tokenizer.pad_token_id)
-    logprobs = common.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
+    logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1])
     loss = sft.sft_loss(logprobs, answer_mask)
     # the same loss from a full forward pass, counting answer tokens only
     full = torch.log_softmax(model(input_ids=input_ids, attention_mask=attention_mask,
@@ -116,10 +120,10 @@ def test_grpo_step_changes_weights():
     tokenizer = common.build_tokenizer()
     model = common.build_tiny_model(tokenizer)
     prompts = [common.make_prompt(tokenizer, "What is 1 + 2?")] * 4
-    prompt_ids, prompt_mask, completion_ids, completion_mask = common.generate(model, tokenizer, prompts, 8)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(model, tokenizer, prompts, 8)
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
-    logprobs = common.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])
+    logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])
     advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
     loss = grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, completion_mask, 0.2, 0.04)
     before = [p.detach().clone() for p in model.parameters()]

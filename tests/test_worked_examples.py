@@ -1,4 +1,4 @@
-"""The README's worked examples are the repo's functions' own numbers (docs/worked_examples.py)."""
+"""The worked examples (docs/worked_examples.md) are the repo's functions' own numbers (docs/worked_examples.py)."""
 import os
 import sys
 
@@ -7,10 +7,10 @@ sys.path.insert(0, os.path.join(ROOT, "docs"))
 import worked_examples  # noqa: E402
 
 
-def test_readme_tables_match_the_functions():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        section = worked_examples.readme_section(f.read())
-    assert section == worked_examples.render(), "run python docs/worked_examples.py and commit the README"
+def test_the_tables_match_the_functions():
+    with open(os.path.join(ROOT, "docs", "worked_examples.md"), encoding="utf-8") as f:
+        section = worked_examples.generated_section(f.read())
+    assert section == worked_examples.render(), "run python docs/worked_examples.py and commit docs/worked_examples.md"
 
 
 def test_the_tables_say_what_the_hand_computation_says():

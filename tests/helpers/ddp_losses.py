@@ -4,7 +4,7 @@
 The rows have very different completion lengths, so a token mean over each slice would differ
 from the token mean over the batch: only the global normalisation (common.token_count) agrees.
 "dapo_local_mean" is the mistake the test must catch: each process divides by its own token count.
-With --fsdp (argv[2]) the model is sharded (common.shard_model) and FSDP reduces the gradients."""
+With --fsdp (argv[2]) the model is sharded (distributed.shard_model) and FSDP reduces the gradients."""
 import os
 import sys
 
@@ -12,17 +12,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import common  # noqa: E402
+import distributed
+import rollout
 import grpo  # noqa: E402
 import mix  # noqa: E402
 import ppo  # noqa: E402
 import sft  # noqa: E402
 
-rank, world_size = common.setup_distributed()
+rank, world_size = distributed.setup()
 torch.manual_seed(0)
 tokenizer = common.build_tokenizer()
 model = common.build_tiny_model(tokenizer)
 if sys.argv[2:] == ["--fsdp"]:
-    common.shard_model(model)
+    distributed.shard_model(model)
 lengths = [1, 2, 9, 12]  # short completions first: with 2 processes, rank 0 gets 3 tokens, rank 1 gets 21
 examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"],
              list(range(40, 40 + n)))
@@ -49,12 +51,12 @@ def whole(grad):
 results = {}
 for name, loss_fn in losses.items():
     model.zero_grad(set_to_none=True)
-    logprobs = common.completion_logprobs(model, input_ids[share], attention_mask[share], mask.shape[1])
+    logprobs = rollout.completion_logprobs(model, input_ids[share], attention_mask[share], mask.shape[1])
     loss = loss_fn(logprobs, mask[share], advantages[share])
     loss.backward()
-    common.average_gradients(model)
+    distributed.average_gradients(model)
     results[name] = {"loss": common.global_sum(loss.item()) / world_size,
                      "grad": torch.cat([whole(p.grad).flatten() for p in model.parameters()]),
                      "terms": input_ids.numel()}  # positions summed into a weight's gradient
-if common.is_main_process():
+if distributed.is_main_process():
     torch.save(results, sys.argv[1])

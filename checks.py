@@ -1,0 +1,115 @@
+"""Bad input gets one clear sentence and exit status 1, never a traceback (fail), before anything is
+written: a setting out of its range (check_settings), data rows a script cannot learn from
+(check_rows), sequences longer than the model's context (check_fits_context), a sharding request
+that cannot work (check_fsdp). The loaders in common.py call these as they read; docs/robustness.md
+lists every case the tests try.
+"""
+import dataclasses
+import math
+
+from tqdm import tqdm
+
+import distributed
+
+
+def fail(message: str):
+    """Stop with one clear sentence and exit status 1 (no traceback): for bad input, not for bugs."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_settings(cfg):
+    """One clear sentence for the first setting that cannot work (before anything is loaded or written):
+    every float must be finite, and each field declared with `setting` must pass its own check."""
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{field.name} must be a finite number, not {value}")
+        if "usable" in field.metadata and not field.metadata["usable"](value):
+            fail(f"--{field.name} must be {field.metadata['must_be']}, not {value!r}" if isinstance(value, str)
+                 else f"--{field.name} must be {field.metadata['must_be']}, not {value}")
+
+
+def check_fsdp(cfg, world_size: int):
+    """--fsdp shards over processes, so it needs torchrun; --merge_lora would need the whole model on one process."""
+    if cfg.fsdp and cfg.merge_lora:
+        fail("--merge_lora does not work with --fsdp: the adapter is saved alone, and every script's --model "
+             "merges it into its base when loading")
+    if cfg.fsdp and world_size == 1:
+        fail("--fsdp shards the model over processes: run the script under torchrun --nproc_per_node 2 (or more)")
+
+
+def check_fits_context(model, num_tokens: int, what: str):
+    """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
+    rather than let them fail deep inside a forward pass."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and num_tokens > context:
+        fail(f"{what} needs {num_tokens} tokens, more than the model's context of {context}: "
+             "shorten the prompts or --max_completion_length")
+
+
+# Data checks: a row is usable when each column the script needs passes its check (None = usable).
+def _text_problem(value) -> str | None:
+    if value is None:
+        return "is missing"
+    if not isinstance(value, str):
+        return f"is {type(value).__name__}, not text"
+    return "is empty" if not value.strip() else None
+
+
+def _answer_problem(value) -> str | None:  # GSM8K: the reasoning, then '#### <final answer>'
+    if _text_problem(value):
+        return _text_problem(value)
+    return None if "####" in value and value.rpartition("####")[2].strip() else "has no final answer after '####'"
+
+
+def _chat_problem(value) -> str | None:  # [{"role": ..., "content": ...}, ...], the last the assistant's answer
+    if not isinstance(value, list) or not value:
+        return "is not a list of messages"
+    for message in value:
+        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+            return "has a message whose role is not system, user or assistant"
+        if _text_problem(message.get("content")):
+            return f"has a message from the {message['role']} whose content {_text_problem(message.get('content'))}"
+    return None if value[-1]["role"] == "assistant" else "does not end with an assistant message (the expert's answer)"
+
+
+COLUMN_CHECKS = {"question": _text_problem, "prompt": _text_problem, "chosen": _text_problem,
+                 "rejected": _text_problem, "answer": _answer_problem, "messages": _chat_problem}
+MAX_BAD_SHARE = 0.01  # a file with more unusable rows than this is refused; fewer are skipped with a count
+
+
+def check_rows(records: list[dict], name: str, columns, labels: list[str]) -> list[int]:
+    """Refuse data a script cannot learn from: a missing column, or more than MAX_BAD_SHARE of the
+    rows with a column that is missing, not text, empty, or (answer) without a final answer, or
+    (messages) not a chat ending with the assistant's answer; or a preference pair whose chosen and
+    rejected are the same text. The sentence names the first bad row (labels: "line 7"). A smaller
+    share of bad rows is dropped, with a count in the log. Returns the indices of the usable ones."""
+    if not records:
+        fail(f"{name} is empty")
+    present = set().union(*records)
+    for column in columns:
+        if column not in present:
+            fail(
+                f"{name} has no column {column!r} "
+                f"(it has {', '.join(dict.fromkeys(k for row in records for k in row))})"
+            )
+    checks = [(column, COLUMN_CHECKS[column]) for column in columns if column in COLUMN_CHECKS]
+    bad = []  # (row index, what is wrong)
+    for index, row in enumerate(records):
+        problem = next((f"{column!r} {check(row.get(column))}" for column, check in checks if check(row.get(column))),
+                       None)
+        if problem is None and "rejected" in columns and row.get("chosen") == row["rejected"]:
+            problem = "'chosen' and 'rejected' are the same text (the pair teaches nothing)"
+        if problem:
+            bad.append((index, problem))
+    if not bad:
+        return list(range(len(records)))
+    index, problem = bad[0]
+    if len(bad) > MAX_BAD_SHARE * len(records):
+        fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(records)} rows are unusable, more than "
+             f"{MAX_BAD_SHARE:.0%}: fix the data")
+    if distributed.is_main_process():
+        tqdm.write(f"{name}: skipped {len(bad)} of {len(records)} unusable rows "
+                   f"(the first, {labels[index]}: {problem})")
+    skipped = {index for index, _ in bad}
+    return [i for i in range(len(records)) if i not in skipped]

@@ -1,0 +1,650 @@
+"""The machinery of a training run, kept out of the scripts' loops: settings checks, the output
+folder (one writer; a failed run never damages the last good one), torchrun's processes
+(distributed.py), resumable checkpoints, the evaluation and checkpoint schedule, the NaN/inf stop,
+metrics.jsonl and completions.jsonl with the time of each part of a step, the progress bar, and the
+final save. A script makes one Run; its loop holds the algorithm and these calls:
+
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, folder, torchrun
+    model = run.prepare(model)                            # checkpointing, LoRA, device; DDP: rank 0's weights
+    run.shard(model, ref_model)                           # --fsdp: 1/N of each model on each process
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):   # resume, evaluate, save, progress bar
+        ...                                               # the algorithm: rollout, rewards, loss, loss.backward()
+        grad_norm = run.clip_gradients(model, loss)       # DDP average, clip; a NaN or inf stops the run here
+        optimizer.step()
+        run.log(metrics)                                  # metrics.jsonl (+ time/*); DDP: the mean over processes
+    run.finish(tokenizer, {"": model}, plots, "GRPO")     # the model, eval.json, the PNG; the folder moves in
+
+None of it changes what a step computes: the same seed gives the same numbers with any of it.
+"""
+import copy
+import ctypes
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import time
+
+try:
+    import fcntl  # the output folder's lock (not on Windows, where runs go unlocked)
+except ImportError:
+    fcntl = None
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import common
+import distributed
+import rollout
+from checks import check_fsdp, check_settings, fail
+from common import first_line, log
+from distributed import full_state_dict, is_main_process, is_sharded
+
+
+class Run:
+    """One training run (see the module docstring). The loop reads: rank, world_size, device, rng
+    (the data order: prompts, batches; kept in every checkpoint) and dir (the folder being written:
+    --output_dir, or <output_dir>/.next_run while a run that replaces an old one is unfinished)."""
+
+    def __init__(self, cfg, inputs: dict):
+        """Check every setting and --output_dir before anything is loaded or written (inputs: the
+        paths the run reads, {"--model": ...}, none of which may lie in the output), join torchrun's
+        processes, and seed: each process draws its own samples (seed + rank)."""
+        check_settings(cfg)
+        self.cfg = cfg
+        self.dir = prepare_output_dir(cfg, inputs)
+        self.rank, self.world_size = distributed.setup()  # rank 0 of 1 without torchrun
+        check_fsdp(cfg, self.world_size)
+        common.set_seed(cfg.seed + self.rank)
+        self.device = distributed.get_device()
+        self.rng = random.Random(cfg.seed + self.rank)
+        self.started = time.perf_counter()  # the run's clock (time/elapsed), carried across --resume
+        self.initial = self.scores = None  # the held-out scores at step 0 and at the latest evaluation
+        self.step, self.metrics, self.sample = 0, {}, None
+
+    def prepare(self, model, scalar_head: bool = False):
+        """The model as training needs it: activations recomputed in the backward pass
+        (--gradient_checkpointing), LoRA adapters with the rest frozen (--lora_r), on this process's
+        device, in train mode, and the same starting weights on every process (DDP: rank 0's; a new
+        scalar head or LoRA's A is random)."""
+        cfg = self.cfg
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.lora_r is not None:
+            model = common.add_lora(model, cfg, scalar_head=scalar_head)
+        model.to(self.device).train()
+        distributed.broadcast_weights(model)
+        return model
+
+    def shard(self, *models):
+        """--fsdp: each process keeps 1/N of every weight, gradient and AdamW state of these models
+        (distributed.shard_model; None is skipped). Call it before building the optimizer."""
+        if self.cfg.fsdp:
+            for model in models:
+                if model is not None:
+                    distributed.shard_model(model)
+
+    def log_memory(self, trained, frozen=(), **micro_batch):
+        """Print note 002's memory table of this run, per process (distributed.memory_estimate)."""
+        shards, frozen = self.world_size if self.cfg.fsdp else 1, [m for m in frozen if m is not None]
+        if micro_batch:  # rows, sequence_length, completion_length of one micro-batch
+            micro_batch["gradient_checkpointing"] = self.cfg.gradient_checkpointing
+        log(distributed.memory_estimate(trained, frozen, shards=shards, **micro_batch))
+
+    def steps(self, models, optimizers, schedulers, evaluate, state: dict | None = None):
+        """The steps of the run, 1 .. --max_steps (from the checkpoint's with --resume), with a
+        progress bar. Before the first: the output folder is started, or the checkpoint restored;
+        evaluate() runs at step 0 with --eval_on_start. After each step: evaluate() runs every
+        --eval_steps and at the last step, the step's metrics line is written, and every
+        --save_steps and at the end a resumable checkpoint holds the models, optimizers,
+        schedulers, every random generator and `state` (the script's own values that change as it
+        trains, such as PPO's kl_coef; restored in place on --resume).
+        evaluate() returns held-out scores {name: value, ..., "n": count}, logged as eval/<name>."""
+        cfg = self.cfg
+        self.evaluate, self.state = evaluate, state if state is not None else {}
+        self.training_state = dict(models=models, optimizers=optimizers, schedulers=schedulers, rng=self.rng)
+        if cfg.resume:  # continue exactly where the last checkpoint stopped
+            first_step, results = load_training_state(self.dir, **self.training_state)
+            self.started -= results.get("elapsed", 0.0)
+            self.initial, self.scores = results.get("initial"), results["scores"]
+            self.state.update(results.get("state", {}))
+        else:
+            start_output_dir(self.dir)
+            first_step = 0
+            if getattr(cfg, "eval_on_start", False):  # the "before" of the run's before -> after
+                self.initial = self.scores = scores = evaluate()
+                log_metrics(self.dir, {"step": 0, **self._eval_metrics(0, scores)})
+        script = os.path.basename(inspect.getfile(type(cfg))).removesuffix(".py")
+        progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
+                        desc=script, dynamic_ncols=True, disable=not show_progress())
+        for step in progress:
+            self.step, self.metrics, self.sample = step, {}, None
+            self.step_started = time.perf_counter()
+            rollout.seconds.clear()
+            yield step
+            self._end_step(progress)
+
+    def clip_gradients(self, model, loss) -> torch.Tensor:
+        """After backward(): the gradients averaged over processes (DDP; FSDP averaged them in the
+        backward pass; one process: nothing), and their norm clipped to --max_grad_norm. A NaN or
+        inf loss or norm stops the run here, before the optimizer applies it (check_finite).
+        Returns the norm before clipping."""
+        distributed.average_gradients(model)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
+        check_finite(self.step, self.dir, grad_norm=grad_norm, loss=loss)
+        return grad_norm
+
+    def log(self, metrics: dict, completions: dict | None = None) -> dict:
+        """This step's metrics, written to metrics.jsonl when the step ends (every --logging_steps
+        where the script has that setting), with time/step and its parts: time/generation
+        (rollout.generate), time/forward (the forward passes: log-probs, values, scores) and
+        time/backward (the rest: backward passes, optimizer steps, and the small work between).
+        DDP: each the mean over processes. completions: columns {"prompt": [...], "completion":
+        [...], other: [...]}, written to completions.jsonl every --log_completions_steps (rank 0's
+        rows); the first row is printed at each evaluation. Returns the metrics (DDP: the means)."""
+        elapsed = time.perf_counter() - self.step_started
+        parts = {f"time/{part}": seconds for part, seconds in rollout.seconds.items()}
+        metrics = {**metrics, **parts, "time/backward": elapsed - sum(parts.values()), "time/step": elapsed}
+        if self.step % getattr(self.cfg, "logging_steps", 1) == 0 or self.step == self.cfg.max_steps:
+            metrics = distributed.reduce_metrics(metrics)
+        self.metrics = metrics
+        shown = [key for key in ("loss", "reward", "score", "accuracy", "kl", "kl_sum") if key in metrics]
+        self.progress_postfix = {key: f"{metrics[key]:.3f}" for key in shown}
+        if completions:
+            every = getattr(self.cfg, "log_completions_steps", 0)
+            if every and self.step % every == 0:
+                log_completions(self.dir, self.step, **completions)
+            self.sample = {key: values[0] for key, values in completions.items()}
+        return metrics
+
+    def finish(self, tokenizer, models: dict, plots: dict, title: str):
+        """The end of the run: each model saved (models: {subfolder: model}, "" the output folder
+        itself; with LoRA the adapter, and with --merge_lora also the merged model), eval.json (the
+        latest held-out scores), <title>.png (plots: {panel title: [metric names]}), run.json; a run
+        that replaces an old one moves into --output_dir now, whole."""
+        for folder, model in models.items():
+            path = os.path.join(self.dir, folder)
+            if folder and is_main_process():
+                os.makedirs(path, exist_ok=True)
+            save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder)
+        write_json(os.path.join(self.dir, "eval.json"), self.scores)
+        png = plot_metrics(self.dir, plots, title)
+        finish_output_dir(self.dir, self.cfg)
+        change = ", ".join(f"{name.replace('_', ' ')} " + (f"{_show(name, self.initial[name])} -> " if self.initial
+                                                             else "") + _show(name, value)
+                           for name, value in self.scores.items() if name != "n")
+        log(f"saved to {self.cfg.output_dir}; held-out {change} (n={self.scores['n']}); "
+            f"curves in {os.path.join(self.cfg.output_dir, png)}")
+
+    def _end_step(self, progress):
+        """After the loop's body: evaluate if due, write the step's metrics line, save if due."""
+        cfg, step = self.cfg, self.step
+        last = step == cfg.max_steps
+        line = self.metrics if step % getattr(cfg, "logging_steps", 1) == 0 or last else {}
+        if step % cfg.eval_steps == 0 or last:
+            self.scores = self.evaluate()
+            line = {**line, **self._eval_metrics(step, self.scores)}
+            if self.sample:  # what the policy wrote for the first prompt of this step
+                sample = dict(self.sample)
+                scores = ", ".join(f"{key} {value:.2f}" for key, value in sample.items() if isinstance(value, float))
+                log(f"  sample: {sample['prompt']!r} -> {sample['completion']!r} ({scores})")
+        if line:
+            log_metrics(self.dir, {"step": step, **line})
+        progress.set_postfix(**getattr(self, "progress_postfix", {}))
+        if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
+            results = {"initial": self.initial, "scores": self.scores, "state": self.state,
+                       "elapsed": time.perf_counter() - self.started}
+            save_training_state(self.dir, cfg, step, results, **self.training_state)
+
+    def _eval_metrics(self, step: int, scores: dict) -> dict:
+        """eval/<name> for each held-out score, and the run's clock; the scores printed."""
+        log(f"step {step}: held-out " + ", ".join(f"{name.replace('_', ' ')} {_show(name, value)}"
+                                                  for name, value in scores.items() if name != "n"))
+        return {**{f"eval/{name}": value for name, value in scores.items() if name != "n"},
+                "time/elapsed": time.perf_counter() - self.started}
+
+
+def _show(name: str, value: float) -> str:
+    return f"{value:.1%}" if "accuracy" in name else f"{value:.3f}"
+
+
+def show_progress() -> bool:
+    """A tqdm bar on the main process only, and none when TQDM_DISABLE=1 (the notebooks set it, so
+    their saved outputs hold no bars; tqdm itself ignores it when `disable` is passed)."""
+    return is_main_process() and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: the final model, the NaN/inf stop, resumable training state
+# ---------------------------------------------------------------------------------------------
+def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
+    """Write model + tokenizer to a temporary folder first, then move the files into place, so a
+    crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
+    is the adapter only (adapter_config.json names the base model; load_model merges them), and
+    with merge_lora also the adapter merged into a copy of its base, in <output_dir>/merged.
+    Rank 0 writes; a sharded model (--fsdp) is first gathered whole, from every process."""
+    state_dict = full_state_dict(model) if is_sharded(model) else None  # FSDP: every process sends its shards
+    if not is_main_process():
+        return
+    if merge_lora and hasattr(model, "merge_and_unload"):
+        os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)
+        save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
+    tmp = os.path.join(output_dir, ".checkpoint_tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
+    # whether to save the embeddings too (a .gguf base has none, and peft would warn).
+    model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}),
+                          **(dict(state_dict=state_dict) if state_dict is not None else {}))
+    tokenizer.save_pretrained(tmp)
+    for name in os.listdir(tmp):
+        os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
+    os.rmdir(tmp)
+
+
+def check_finite(step: int, run_dir: str, **values):
+    """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
+    applied. A checkpoint counts as good only once the weights it holds gave finite values: the
+    one written after the previous step is promoted here when they are finite, and dropped when
+    they are not, so --resume never restarts from weights that already diverged. Pass the
+    gradient norm first: under torchrun it is the same on every process, so all stop together."""
+    for name, value in values.items():
+        value = float(value.detach()) if torch.is_tensor(value) else float(value)
+        if not math.isfinite(value):
+            if is_main_process():
+                shutil.rmtree(os.path.join(run_dir, "checkpoint.new"), ignore_errors=True)
+            kept = newest_checkpoint(run_dir)
+            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update "
+                 + (f"({kept} holds the last weights that gave finite values). " if kept else "")
+                 + "A lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
+    if is_main_process():
+        _promote_checkpoint(run_dir)
+
+
+def newest_checkpoint(run_dir: str) -> str | None:
+    """The newest whole checkpoint folder of a run: checkpoint.new (written, not yet promoted),
+    checkpoint, or checkpoint.old (a kill fell between the two renames of a promotion)."""
+    for name in ("checkpoint.new", "checkpoint", "checkpoint.old"):
+        if os.path.isfile(os.path.join(run_dir, name, "state.pt")):
+            return os.path.join(run_dir, name)
+    return None
+
+
+def _promote_checkpoint(run_dir: str):
+    """checkpoint.new -> checkpoint, by two renames (the previous one waits as checkpoint.old)."""
+    new, final, old = (os.path.join(run_dir, name) for name in ("checkpoint.new", "checkpoint", "checkpoint.old"))
+    if not os.path.isdir(new):
+        return
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(final):
+        os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_training_state(run_dir: str, cfg, step: int, results: dict, models, optimizers, schedulers, rng):
+    """A resumable checkpoint: the weights, optimizer and scheduler states, every random generator
+    (of every process), the step, the metrics logged so far and run.json (script, model,
+    settings), so that --resume continues exactly where the run was, bit for bit on the same
+    machine, and knows whose run it continues.
+
+    Written whole into checkpoint.tmp, then renamed to checkpoint.new; check_finite promotes it
+    to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
+    checkpoint (newest_checkpoint finds it). With --fsdp every process writes the shards of the
+    weights and AdamW states it holds, into checkpoint.tmp/sharded (torch.distributed.checkpoint:
+    the output folder must be one that every machine sees); rank 0 writes the rest."""
+    generators = {"python": random.getstate(),
+                  "numpy": [np.random.get_state()[1].tolist(),
+                            *np.random.get_state()[2:]], "torch": torch.get_rng_state(),
+                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "data": rng.getstate()}
+    if dist.is_initialized():  # every process draws its own samples: keep each one's generators
+        all_generators = [None] * dist.get_world_size()
+        dist.all_gather_object(all_generators, generators)
+    else:
+        all_generators = [generators]
+    sharded, tmp = is_sharded(models[0]), os.path.join(run_dir, "checkpoint.tmp")
+    try:
+        if is_main_process():
+            _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        if sharded:  # FSDP: each process its own shards; save() returns once all of them are written
+            import torch.distributed.checkpoint as dcp
+
+            dist.barrier()  # checkpoint.tmp exists before anyone writes into it
+            dcp.save(_sharded_state(models, optimizers), checkpoint_id=os.path.join(tmp, "sharded"))
+        if not is_main_process():
+            return
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            metrics = f.readlines()
+        state = {"step": step, "results": results, "generators": all_generators, "metrics": metrics,
+                 "models": [] if sharded else [m.state_dict() for m in models],
+                 "optimizers": [] if sharded else [o.state_dict() for o in optimizers],
+                 "schedulers": [s.state_dict() for s in schedulers]}
+        torch.save(state, os.path.join(tmp, "state.pt"))
+        write_json(os.path.join(tmp, RUN_FILE), run_record(cfg))
+    except OSError as error:  # e.g. a full disk: the checkpoints before this one stay as they were
+        shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"could not write a checkpoint to {tmp} ({error.strerror or error})")
+    os.rename(tmp, os.path.join(run_dir, "checkpoint.new"))
+
+
+def _sharded_state(models, optimizers) -> dict:
+    """The weights and AdamW states of sharded models (this process's shards), named as
+    torch.distributed.checkpoint saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {**{f"model_{i}": get_model_state_dict(m) for i, m in enumerate(models)},
+            **{f"optimizer_{i}": get_optimizer_state_dict(m, o) for i, (m, o) in enumerate(zip(models, optimizers))}}
+
+
+def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
+    """Restore the newest checkpoint (weights_only: tensors and plain values, no pickled code),
+    and metrics.jsonl as it was at its step (a missing or torn metrics file does not matter).
+    prepare_output_dir has checked that it is this script's and model's. Returns (step, results)."""
+    path = newest_checkpoint(run_dir)
+    try:
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=True, map_location="cpu")
+    except Exception as error:
+        fail(f"{path}/state.pt cannot be read ({first_line(error)}): it was damaged after it was written; "
+             "start a new run (--overwrite_output_dir true)")
+    if is_sharded(models[0]):  # FSDP: each process reads its own shards
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        sharded = _sharded_state(models, optimizers)  # the shapes to read into
+        dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"))
+        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+            set_model_state_dict(model, sharded[f"model_{i}"])
+            set_optimizer_state_dict(model, optimizer, sharded[f"optimizer_{i}"])
+    for model, saved in zip(models, state["models"]):
+        model.load_state_dict(saved)
+    for optimizer, saved in zip(optimizers, state["optimizers"]):
+        optimizer.load_state_dict(saved)
+    for scheduler, saved in zip(schedulers, state["schedulers"]):
+        scheduler.load_state_dict(saved)
+    generators = state["generators"][dist.get_rank() if dist.is_initialized() else 0]
+    random.setstate(generators["python"])
+    np.random.set_state(("MT19937", np.array(generators["numpy"][0], dtype=np.uint32), *generators["numpy"][1:]))
+    torch.set_rng_state(generators["torch"])
+    if generators["cuda"]:
+        torch.cuda.set_rng_state_all(generators["cuda"])
+    rng.setstate(generators["data"])
+    if is_main_process():  # the metrics as they were at the checkpoint: what was logged after it is logged again
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(state["metrics"])
+        completions = os.path.join(run_dir, "completions.jsonl")  # the same for the samples logged after it
+        if os.path.isfile(completions):
+            with open(completions) as f:
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= state["step"]]
+            with open(completions, "w") as f:
+                f.writelines(kept)
+    log(f"resumed from {path} at step {state['step']}")
+    return state["step"], state["results"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The output folder: one writer at a time, and a new run replaces an old one only when it is whole
+# ---------------------------------------------------------------------------------------------
+NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes
+RUN_FILE = "run.json"  # the script, model and settings of a run: in each checkpoint, and in the finished folder
+# A new run's weights never sit beside an old run's: these go when a run replaces another.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
+                "merged", "critic", "checkpoint", "checkpoint.new", "checkpoint.old")
+# The settings --resume lets change: how a run is watched and saved, not what it trains.
+RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_steps",
+                     "num_eval_examples", "eval_samples_per_problem", "per_device_eval_batch_size", "eval_on_start",
+                     "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps"}
+_locks = {}  # folder -> the open descriptor that holds its lock until this process ends
+
+
+def _rank0() -> bool:
+    """Rank 0, also before the process group exists (torchrun sets RANK for every process)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _lock(folder: str):
+    """One writer per output folder: an exclusive flock on the folder itself, which the system
+    releases when the process ends, however it ends (a kill included). Rank 0 only."""
+    key = os.path.realpath(folder)
+    if key in _locks or fcntl is None or not _rank0():  # held already (several runs in one Python process)
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        fail(f"another run is writing to {folder}: wait for it to finish, or choose another --output_dir")
+    _locks[key] = descriptor
+
+
+def run_record(cfg) -> dict:
+    """What a checkpoint must know of its run: the script, the model, the settings, the processes."""
+    model = cfg.model if not os.path.exists(cfg.model) else os.path.realpath(cfg.model)
+    return {"script": os.path.basename(inspect.getfile(type(cfg))), "model": model,
+            "processes": int(os.environ.get("WORLD_SIZE", "1")), "settings": dataclasses.asdict(cfg)}
+
+
+def prepare_output_dir(cfg, inputs: dict) -> str:
+    """Check --output_dir before anything is loaded or written, lock it, and return the folder the
+    run writes into: --output_dir itself for a new run into an empty folder and for --resume;
+    <output_dir>/.next_run for a run that replaces an old one (--overwrite_output_dir), so the old
+    one stays whole until the new one finishes and finish_output_dir moves it in.
+    `inputs` maps a flag to the path it reads (--model, --dataset, ...): none may be in the output."""
+    out = cfg.output_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--output_dir {out} is a file, not a folder")
+    existing = os.path.abspath(out)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        fail(f"--output_dir {out} cannot be made: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(f"--output_dir {out} cannot be written ({existing} is not writable)")
+    for flag, path in inputs.items():
+        inside = os.path.realpath(path) + os.sep
+        if path and os.path.exists(path) and inside.startswith(os.path.realpath(out) + os.sep):
+            fail(
+                f"--output_dir {out} holds {flag} {path}: "
+                "write the run to another folder (an input is never overwritten)"
+            )
+    if cfg.resume and cfg.overwrite_output_dir:
+        fail("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one of them")
+    if not os.path.isdir(out):
+        return out
+    _lock(out)
+    next_run = os.path.join(out, NEXT_RUN)
+    if os.path.isfile(os.path.join(next_run, ".complete")) and _rank0():  # a kill fell inside the last move-in
+        _move_in(out)
+    if cfg.resume:
+        run_dir = next_run if os.path.isdir(next_run) else out
+        checkpoint = newest_checkpoint(run_dir)
+        if checkpoint is None and run_dir == next_run:
+            fail(f"the run started over {out} stopped before its first checkpoint: "
+                 "start it again with --overwrite_output_dir true")
+        if checkpoint is None:
+            fail(f"--resume: no checkpoint in {out} (one is written every --save_steps steps)")
+        _check_same_run(cfg, checkpoint)
+        return run_dir
+    held = sorted(name for name in os.listdir(out) if not name.startswith("."))
+    if held and not cfg.overwrite_output_dir:
+        fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+             "--resume true continues it, --overwrite_output_dir true replaces it when the new run finishes, "
+             "or choose another folder")
+    return next_run if held else out
+
+
+def _check_same_run(cfg, checkpoint: str):
+    """--resume continues the run it finds, as that run was set: another script's or model's
+    checkpoint, or a changed setting that shapes training, is refused; a changed setting of
+    RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step."""
+    try:
+        with open(os.path.join(checkpoint, RUN_FILE)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        fail(f"{checkpoint} has no readable {RUN_FILE}, so it cannot say whose run it is: start a new run")
+    now = run_record(cfg)
+    if saved["script"] != now["script"]:
+        fail(f"the checkpoint in {checkpoint} is {saved['script']}'s, not {now['script']}'s: "
+             f"resume it with {saved['script']}")
+    if saved["model"] != now["model"]:
+        fail(f"the checkpoint in {checkpoint} was trained from --model {saved['model']}, not {cfg.model}")
+    if saved["processes"] != now["processes"]:
+        fail(f"the checkpoint in {checkpoint} was written by {saved['processes']} processes, not {now['processes']}: "
+             "resume with the same number")
+    old, new = saved["settings"], now["settings"]
+    changed = [key for key in new if key != "model" and old.get(key) != new[key]]
+    batch = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    same_step_batch = math.prod(old.get(k, 1) for k in batch) == math.prod(new.get(k, 1) for k in batch)
+    refused = [k for k in changed if k not in RESUME_MAY_CHANGE and not (k in batch and same_step_batch)]
+    if refused:
+        changes = ", ".join(f"--{k} was {old.get(k)}, now {new[k]}" for k in refused)
+        fail(f"--resume continues the run as it was set, and {changes}: resume with the run's values, "
+             "or start a new run (--overwrite_output_dir true)")
+    for key in changed:
+        if _rank0():
+            tqdm.write(f"resume: --{key} {new[key]} (was {old.get(key)}) applies from here")
+
+
+def start_output_dir(run_dir: str):
+    """Create the folder this run writes into, lock it, and start an empty metrics.jsonl (rank 0).
+    A .next_run left by an earlier run that was stopped is cleared: this run replaces it too."""
+    if not is_main_process():
+        return
+    os.makedirs(run_dir, exist_ok=True)
+    output_dir = os.path.dirname(run_dir) if os.path.basename(run_dir) == NEXT_RUN else run_dir
+    _lock(output_dir)
+    if run_dir != output_dir:
+        shutil.rmtree(run_dir)
+        os.makedirs(run_dir)
+    open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
+
+
+def finish_output_dir(run_dir: str, cfg):
+    """The end of a run: its last checkpoint counts as good, run.json lists what it wrote, and a
+    run that replaces an old one moves into --output_dir (rank 0)."""
+    if not is_main_process():
+        return
+    _promote_checkpoint(run_dir)
+    files = sorted(name for name in os.listdir(run_dir) if not name.startswith("."))
+    write_json(os.path.join(run_dir, RUN_FILE), {**run_record(cfg), "files": sorted({*files, RUN_FILE})})
+    if os.path.basename(run_dir) == NEXT_RUN:
+        write_json(os.path.join(run_dir, ".complete"), {"files": sorted({*files, RUN_FILE})})  # from here on, a kill is
+        _move_in(cfg.output_dir)  # finished by the next run into the folder (prepare_output_dir)
+    descriptor = _locks.pop(os.path.realpath(cfg.output_dir), None)
+    if descriptor is not None:
+        os.close(descriptor)
+
+
+def _move_in(output_dir: str):
+    """Replace the old run in output_dir by the finished one in .next_run. Repeatable: a kill in
+    the middle is completed by running it again. Only the old run's own files go (those its
+    run.json lists, and any weights), never other files of the folder."""
+    next_run = os.path.join(output_dir, NEXT_RUN)
+    with open(os.path.join(next_run, ".complete")) as f:
+        new = set(json.load(f)["files"])
+    if os.path.exists(os.path.join(next_run, RUN_FILE)):  # the old run's files are still there: they go first
+        try:
+            with open(os.path.join(output_dir, RUN_FILE)) as f:
+                old = set(json.load(f)["files"])
+        except (OSError, ValueError, KeyError):  # a folder of an older version, or of another program
+            old = set()
+        for name in sorted((old | set(WEIGHT_FILES)) - new):
+            path = os.path.join(output_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else (os.remove(path) if os.path.exists(path) else None)
+    for name in sorted(new - {RUN_FILE}) + [RUN_FILE]:  # run.json last: while it waits, the old run's files may remain
+        source, target = os.path.join(next_run, name), os.path.join(output_dir, name)
+        if os.path.exists(source):
+            if os.path.isdir(target):
+                shutil.rmtree(target)
+            os.replace(source, target)
+    shutil.rmtree(next_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl and completions.jsonl
+# ---------------------------------------------------------------------------------------------
+def log_metrics(output_dir: str, metrics: dict):
+    """Append one JSON object to <output_dir>/metrics.jsonl (rank 0 only)."""
+    if not is_main_process():
+        return
+    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+
+
+def log_completions(output_dir: str, step: int, **columns):
+    """Append what the policy wrote at this step to <output_dir>/completions.jsonl, one JSON object
+    per completion: the step and each of `columns` (prompt, completion, its rewards, its advantage),
+    as TRL's log_completions and nano-aha-moment's episode dumps keep them (rank 0's share only)."""
+    if not is_main_process():
+        return
+    with open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
+        for i in range(len(next(iter(columns.values())))):
+            row = {"step": step, **{k: v[i] for k, v in columns.items()}}
+            f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# eval.json and the PNG of the curves
+# ---------------------------------------------------------------------------------------------
+def write_json(path: str, obj: dict):
+    if not is_main_process():
+        return
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
+    """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png;
+    returns the file's name."""
+    name = title.lower().replace(" ", "_") + ".png"
+    if not is_main_process():
+        return name
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (panel, keys) in zip(axes[0], panels.items()):
+        for key in keys:
+            points = [(row["step"], row[key]) for row in rows if key in row]
+            if points:
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
+        ax.set_title(panel)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # a panel whose metrics were never logged has none
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(output_dir, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory reuse (a speed-up of every script, set once at import)
+# ---------------------------------------------------------------------------------------------
+def keep_freed_memory():
+    """Speed (Linux): glibc gives each large freed tensor back to the OS, and the next step's tensors
+    page-fault that memory in again; keeping freed memory for reuse makes a tiny-model step ~15%
+    faster. Runs once, at import; does nothing without glibc (macOS, Windows) or when the
+    environment already sets glibc's MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's option numbers (malloc.h)
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # tensors up to 32 MB come from the reusable heap, not mmap
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)  # keep up to 1 GB of freed heap instead of returning it
+
+
+keep_freed_memory()
