@@ -21,6 +21,11 @@ One training step:
   3. advantages: (r - group mean) / (group std)   advantages   [B*G]
   4. inference: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
   5. num_iterations gradient steps on the clipped objective with the KL penalty
+
+The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
+are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
+are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
+no number the algorithm computes.
 """
 import copy
 import re

@@ -63,7 +63,7 @@ class Run:
         self.rng = random.Random(cfg.seed + self.rank)
         self.started = time.perf_counter()  # the run's clock (time/elapsed), carried across --resume
         self.initial = self.scores = None  # the held-out scores at step 0 and at the latest evaluation
-        self.step, self.metrics, self.sample = 0, {}, None
+        self.step, self.metrics, self.sample, self.progress_postfix = 0, {}, None, {}
 
     def prepare(self, model, scalar_head: bool = False):
         """The model as training needs it: activations recomputed in the backward pass
@@ -193,7 +193,7 @@ class Run:
                 log(f"  sample: {sample['prompt']!r} -> {sample['completion']!r} ({scores})")
         if line:
             log_metrics(self.dir, {"step": step, **line})
-        progress.set_postfix(**getattr(self, "progress_postfix", {}))
+        progress.set_postfix(**self.progress_postfix)
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
             results = {"initial": self.initial, "scores": self.scores, "state": self.state,
                        "elapsed": time.perf_counter() - self.started}

@@ -20,6 +20,11 @@ sequences in one forward pass each ("inference", prefill only). One step:
   4. GAE:        advantages and returns, computed backwards over the tokens             [B, T]
   5. PPO epochs: num_ppo_epochs passes over mini-batches of this experience; the clipped actor
                  loss steps the actor, the clipped critic loss steps the critic
+
+The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
+are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
+are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
+no number the algorithm computes.
 """
 import copy
 from dataclasses import dataclass

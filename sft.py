@@ -2,9 +2,11 @@
 
 The model learns to imitate worked answers: the loss is the negative log-likelihood of the
 answer tokens only (the prompt is context, not a target). With no --model it trains the
-embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a laptop CPU.
+embedded ~1M-parameter model from scratch on the shipped demonstrations of a careless teacher
+(data/demos: in 35% of them it forgets the first carry or borrow), on a laptop CPU; the RL scripts then
+reward the true answers (data/arithmetic), which the teacher did not always write.
 
-    python sft.py                                        # tiny model, data/arithmetic -> out/sft
+    python sft.py                                        # tiny model, data/demos -> out/sft
     python sft.py --max_steps 100 --output_dir out/sft_weak   # a weaker start for RL
     python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --learning_rate 1e-5
     torchrun --nproc_per_node 2 sft.py ...               # data parallel over 2 GPUs (or CPU processes)
@@ -12,7 +14,9 @@ embedded ~1M-parameter model from scratch on the shipped arithmetic data, on a l
     python sft.py --model out/sft --lora_r 8 ...         # LoRA adapters instead of every weight
 
 Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
-RL scripts can reward the format and the number.
+RL scripts can reward the format and the number. One step, in main()'s loop: draw a batch, run the
+log-prob pass over it (rollout.completion_logprobs, one plain pass), sft_loss, backward(), the
+optimizer step; the calls on `run` are harness.py's machinery, which changes no number.
 """
 from dataclasses import dataclass
 
