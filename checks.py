@@ -6,10 +6,14 @@ lists every case the tests try.
 """
 import dataclasses
 import math
+import os
 
 from tqdm import tqdm
 
 import distributed
+
+
+NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes (harness.py)
 
 
 def fail(message: str):
@@ -38,6 +42,16 @@ def check_fsdp(cfg, world_size: int):
         fail("--fsdp shards the model over processes: run the script under torchrun --nproc_per_node 2 (or more)")
 
 
+def check_whole_run(folder: str):
+    """Refuse to read a run folder (as --model, --reward_model, ...) while a finished run that replaces
+    the old one is half moved into it: its files would be a mix of two runs. The next run of a script
+    into the folder finishes the move (harness.prepare_output_dir)."""
+    if os.path.isfile(os.path.join(folder, NEXT_RUN, ".complete")):
+        fail(f"{folder} is half replaced: a finished run was being moved into it when it stopped, so it holds "
+             "files of two runs; run a script into it again (the same command with --resume true) to finish "
+             "the move, then read it")
+
+
 def check_fits_context(model, num_tokens: int, what: str):
     """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
     rather than let them fail deep inside a forward pass."""
@@ -59,7 +73,14 @@ def _text_problem(value) -> str | None:
 def _answer_problem(value) -> str | None:  # GSM8K: the reasoning, then '#### <final answer>'
     if _text_problem(value):
         return _text_problem(value)
-    return None if "####" in value and value.rpartition("####")[2].strip() else "has no final answer after '####'"
+    final = value.rpartition("####")[2].strip()
+    if "####" not in value or not final:
+        return "has no final answer after '####'"
+    try:  # 'nan' is never equal to an answer, 'inf' equal to any huge one ('1e999'): neither can be checked
+        number = float(final.replace(",", "").replace("$", "").rstrip("."))
+    except ValueError:
+        return None
+    return None if math.isfinite(number) else f"has a final answer that is not a finite number ({final!r})"
 
 
 def _chat_problem(value) -> str | None:  # [{"role": ..., "content": ...}, ...], the last the assistant's answer
@@ -70,7 +91,11 @@ def _chat_problem(value) -> str | None:  # [{"role": ..., "content": ...}, ...],
             return "has a message whose role is not system, user or assistant"
         if _text_problem(message.get("content")):
             return f"has a message from the {message['role']} whose content {_text_problem(message.get('content'))}"
-    return None if value[-1]["role"] == "assistant" else "does not end with an assistant message (the expert's answer)"
+    if value[-1]["role"] != "assistant":
+        return "does not end with an assistant message (the expert's answer)"
+    if not any(message["role"] == "user" for message in value[:-1]):
+        return "has no user message before the expert's answer (the prompt it answers)"
+    return None
 
 
 COLUMN_CHECKS = {"question": _text_problem, "prompt": _text_problem, "chosen": _text_problem,
@@ -108,8 +133,24 @@ def check_rows(records: list[dict], name: str, columns, labels: list[str]) -> li
     if len(bad) > MAX_BAD_SHARE * len(records):
         fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(records)} rows are unusable, more than "
              f"{MAX_BAD_SHARE:.0%}: fix the data")
-    if distributed.is_main_process():
-        tqdm.write(f"{name}: skipped {len(bad)} of {len(records)} unusable rows "
-                   f"(the first, {labels[index]}: {problem})")
+    _say(f"{name}: skipped {len(bad)} of {len(records)} unusable rows (the first, {labels[index]}: {problem})")
     skipped = {index for index, _ in bad}
     return [i for i in range(len(records)) if i not in skipped]
+
+
+def check_length_drops(name: str, kept: int, total: int, limit: str):
+    """Rows too long for a length limit (the answer for --max_completion_length, the pair for
+    --max_length) are dropped under the same rule as unusable rows: more than MAX_BAD_SHARE of them
+    is refused in one sentence; fewer are skipped with a count in the log."""
+    dropped = total - kept
+    if dropped > MAX_BAD_SHARE * total:
+        fail(f"{name}: {dropped} of {total} rows are longer than {limit} allows, more than {MAX_BAD_SHARE:.0%}: "
+             "raise the limit, or shorten the data")
+    if dropped:
+        _say(f"{name}: skipped {dropped} of {total} rows longer than {limit} allows")
+
+
+def _say(message: str):
+    """log(), from rank 0 only (common.log; this module imports nothing of the repo's but distributed)."""
+    if distributed.is_main_process():
+        tqdm.write(message)

@@ -38,7 +38,7 @@ from transformers import (  # noqa: E402
 
 import distributed  # noqa: E402
 import rollout  # noqa: E402
-from checks import check_fits_context, check_rows, fail  # noqa: E402, F401  (common.fail: one sentence, exit 1)
+from checks import check_fits_context, check_length_drops, check_rows, check_whole_run, fail  # noqa: E402, F401
 from distributed import global_sum  # noqa: E402, F401  (a sum over processes: the algorithms' one use of them)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
@@ -182,6 +182,8 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     if name_or_path.endswith(".gguf") or os.path.isfile(name_or_path):
         return load_gguf(name_or_path, scalar_head)
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
+    if is_local and os.path.isdir(name_or_path):
+        check_whole_run(name_or_path)
     is_adapter = os.path.isfile(os.path.join(name_or_path, "adapter_config.json"))  # a LoRA run's output
     if is_local and not (is_adapter or os.path.isfile(os.path.join(name_or_path, "config.json"))):
         fail(f"no model found at {name_or_path}" + (f": {missing_hint}" if missing_hint else ""))
@@ -324,6 +326,9 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
     """One split as a datasets.Dataset: `<dataset>/<split>.jsonl` if `dataset` is a local folder,
     else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test'). Every row
     is checked for the columns asked for (check_rows)."""
+    if os.path.isfile(dataset):  # e.g. --dataset data/x/train.jsonl
+        fail(f"{dataset} is a file, and a dataset is a folder that holds train.jsonl and test.jsonl: pass "
+             f"{os.path.dirname(dataset) or '.'} (or a hub dataset id)")
     if dataset.startswith(("/", ".", "~")) and not os.path.isdir(dataset):  # a path, not a hub id
         fail(f"no dataset folder {dataset} (a folder of train.jsonl / test.jsonl, or a hub dataset id)")
     if os.path.isdir(dataset):
@@ -339,25 +344,38 @@ def load_split(dataset: str, split: str, columns=("question", "answer"), config_
     return data if len(keep) == len(data) else data.select(keep)
 
 
+def _one_value_per_key(pairs: list) -> dict:
+    """json.loads keeps the last of a key given twice; a data row that does so is refused instead."""
+    row = {}
+    for key, value in pairs:
+        if key in row:
+            raise KeyError(key)
+        row[key] = value
+    return row
+
+
 def load_jsonl(path: str, columns=()):
-    """A local .jsonl file (one JSON object per line, UTF-8) as a datasets.Dataset, its rows
-    checked (check_rows). A missing or empty file, a line that is not UTF-8 or not a JSON object
-    is one sentence naming the file and the line."""
+    """A local .jsonl file (one JSON object per line, UTF-8, with or without the byte-order mark some
+    editors write) as a datasets.Dataset, its rows checked (check_rows). A missing or empty file, a
+    line that is not UTF-8, not a JSON object, or that gives a key twice is one sentence naming the
+    file and the line."""
     if not os.path.isfile(path):
         fail(f"no data file {path}")
     records = []
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # utf-8-sig: without its BOM
             except UnicodeDecodeError:
                 fail(f"{path} line {number} is not UTF-8 text: save the file as UTF-8")
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=_one_value_per_key)
             except json.JSONDecodeError:
                 fail(f"{path} line {number} is not valid JSON")
+            except KeyError as twice:
+                fail(f"{path} line {number} gives the key {twice.args[0]!r} twice: keep one")
             if not isinstance(row, dict):
                 fail(f"{path} line {number} is not a JSON object")
             records.append((number, row))

@@ -16,6 +16,8 @@ final save. A script makes one Run; its loop holds the algorithm and these calls
 
 None of it changes what a step computes: the same seed gives the same numbers with any of it.
 """
+import atexit
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -25,6 +27,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 
 try:
@@ -39,7 +42,7 @@ from tqdm import tqdm
 import common
 import distributed
 import rollout
-from checks import check_fsdp, check_settings, fail
+from checks import NEXT_RUN, check_fsdp, check_settings, fail
 from common import first_line, log
 from distributed import full_state_dict, is_main_process, is_sharded
 
@@ -166,7 +169,7 @@ class Run:
         latest held-out scores), <title>.png (plots: {panel title: [metric names]}), run.json; a run
         that replaces an old one moves into --output_dir now, whole."""
         for folder, model in models.items():
-            path = os.path.join(self.dir, folder)
+            path = os.path.join(self.dir, folder) if folder else self.dir
             if folder and is_main_process():
                 os.makedirs(path, exist_ok=True)
             save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder)
@@ -207,6 +210,23 @@ class Run:
                 "time/elapsed": time.perf_counter() - self.started}
 
 
+def _stop_with_a_stopped_peer(kind, error, traceback):
+    """sys.excepthook: under torchrun, a process whose collective fails because another process of
+    the run stopped (bad input there, which that process says in its own sentence) stops with one
+    sentence too, not a traceback; gloo raises as soon as the peer's connection closes, so neither
+    waits. Anything else is printed as Python prints it."""
+    peer_gone = ("closed by peer", "reset by peer", "Broken pipe", "Connection refused")
+    if (dist.is_available() and dist.is_initialized() and isinstance(error, RuntimeError)
+            and (isinstance(error, dist.DistError) or any(text in str(error) for text in peer_gone))):
+        sys.stderr.write(f"error: process {dist.get_rank()} stopped because another process of this run stopped "
+                         "(its own message says why)\n")
+        return
+    sys.__excepthook__(kind, error, traceback)
+
+
+sys.excepthook = _stop_with_a_stopped_peer
+
+
 def _show(name: str, value: float) -> str:
     return f"{value:.1%}" if "accuracy" in name else f"{value:.3f}"
 
@@ -220,6 +240,23 @@ def show_progress() -> bool:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: the final model, the NaN/inf stop, resumable training state
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def writing(what: str, folder: str, temporary: str | None = None):
+    """A write that fails (a full disk, a file-size limit, a folder gone read-only) becomes one
+    sentence naming the folder, once the temporary files it left are removed (they would keep the
+    disk full); what was written before, the last good checkpoint and any older run, stays whole.
+    Wraps the writes only: torch.save and safetensors report a full disk as RuntimeError or their
+    own error class, not OSError."""
+    try:
+        yield
+    except Exception as error:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+        reason = os.strerror(error.errno) if getattr(error, "errno", None) else first_line(error)
+        fail(f"could not write {what} to {folder} ({reason}): free space on its disk, or choose another "
+             "--output_dir; the last good checkpoint is kept, and --resume true continues from it")
+
+
 def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
     """Write model + tokenizer to a temporary folder first, then move the files into place, so a
     crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
@@ -234,11 +271,12 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
         save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
-    # whether to save the embeddings too (a .gguf base has none, and peft would warn).
-    model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}),
-                          **(dict(state_dict=state_dict) if state_dict is not None else {}))
-    tokenizer.save_pretrained(tmp)
+    with writing("the trained model", output_dir, temporary=tmp):
+        # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
+        # whether to save the embeddings too (a .gguf base has none, and peft would warn).
+        model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}),
+                              **(dict(state_dict=state_dict) if state_dict is not None else {}))
+        tokenizer.save_pretrained(tmp)
     for name in os.listdir(tmp):
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
@@ -305,7 +343,7 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
     else:
         all_generators = [generators]
     sharded, tmp = is_sharded(models[0]), os.path.join(run_dir, "checkpoint.tmp")
-    try:
+    with writing("a checkpoint", run_dir, temporary=tmp):  # e.g. a full disk: the checkpoints before stay whole
         if is_main_process():
             _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
             shutil.rmtree(tmp, ignore_errors=True)
@@ -325,9 +363,6 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
                  "schedulers": [s.state_dict() for s in schedulers]}
         torch.save(state, os.path.join(tmp, "state.pt"))
         write_json(os.path.join(tmp, RUN_FILE), run_record(cfg))
-    except OSError as error:  # e.g. a full disk: the checkpoints before this one stay as they were
-        shutil.rmtree(tmp, ignore_errors=True)
-        fail(f"could not write a checkpoint to {tmp} ({error.strerror or error})")
     os.rename(tmp, os.path.join(run_dir, "checkpoint.new"))
 
 
@@ -388,7 +423,6 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tu
 # ---------------------------------------------------------------------------------------------
 # The output folder: one writer at a time, and a new run replaces an old one only when it is whole
 # ---------------------------------------------------------------------------------------------
-NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes
 RUN_FILE = "run.json"  # the script, model and settings of a run: in each checkpoint, and in the finished folder
 # A new run's weights never sit beside an old run's: these go when a run replaces another.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
@@ -398,6 +432,16 @@ RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_st
                      "num_eval_examples", "eval_samples_per_problem", "per_device_eval_batch_size", "eval_on_start",
                      "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps"}
 _locks = {}  # folder -> the open descriptor that holds its lock until this process ends
+_made = set()  # folders this process made (prepare_output_dir): an empty one is removed when the process ends
+
+
+@atexit.register
+def _remove_unused_folders():
+    """A run that stopped before it wrote anything (bad input found after the folder was made and
+    locked) leaves no empty folder behind. Only a folder this process made and still locks."""
+    for folder in _made:
+        if folder in _locks and os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def _rank0() -> bool:
@@ -434,6 +478,8 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
     one stays whole until the new one finishes and finish_output_dir moves it in.
     `inputs` maps a flag to the path it reads (--model, --dataset, ...): none may be in the output."""
     out = cfg.output_dir
+    if not out.strip():
+        fail("--output_dir is empty: name the folder the run writes to")
     if os.path.exists(out) and not os.path.isdir(out):
         fail(f"--output_dir {out} is a file, not a folder")
     existing = os.path.abspath(out)
@@ -452,7 +498,15 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
             )
     if cfg.resume and cfg.overwrite_output_dir:
         fail("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one of them")
-    if not os.path.isdir(out):
+    if cfg.resume and not os.path.isdir(out):
+        fail(f"--resume: {out} does not exist, so there is no run to continue (leave out --resume to start one)")
+    if not os.path.isdir(out) and _rank0():  # one writer from the first moment: make the folder and lock it now
+        try:
+            os.makedirs(out)
+            _made.add(os.path.realpath(out))  # removed again if the run stops before it writes anything
+        except FileExistsError:  # another run made it a moment ago: the lock below decides which one goes on
+            pass
+    if not os.path.isdir(out):  # another process of this run, before rank 0 made it
         return out
     _lock(out)
     next_run = os.path.join(out, NEXT_RUN)
@@ -513,13 +567,14 @@ def start_output_dir(run_dir: str):
     A .next_run left by an earlier run that was stopped is cleared: this run replaces it too."""
     if not is_main_process():
         return
-    os.makedirs(run_dir, exist_ok=True)
     output_dir = os.path.dirname(run_dir) if os.path.basename(run_dir) == NEXT_RUN else run_dir
-    _lock(output_dir)
-    if run_dir != output_dir:
-        shutil.rmtree(run_dir)
-        os.makedirs(run_dir)
-    open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
+    with writing("metrics.jsonl", run_dir):
+        os.makedirs(run_dir, exist_ok=True)
+        _lock(output_dir)
+        if run_dir != output_dir:
+            shutil.rmtree(run_dir)
+            os.makedirs(run_dir)
+        open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
 
 
 def finish_output_dir(run_dir: str, cfg):
@@ -570,7 +625,7 @@ def log_metrics(output_dir: str, metrics: dict):
     """Append one JSON object to <output_dir>/metrics.jsonl (rank 0 only)."""
     if not is_main_process():
         return
-    with open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+    with writing("metrics.jsonl", output_dir), open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
 
 
@@ -580,7 +635,7 @@ def log_completions(output_dir: str, step: int, **columns):
     as TRL's log_completions and nano-aha-moment's episode dumps keep them (rank 0's share only)."""
     if not is_main_process():
         return
-    with open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
+    with writing("completions.jsonl", output_dir), open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
         for i in range(len(next(iter(columns.values())))):
             row = {"step": step, **{k: v[i] for k, v in columns.items()}}
             f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}) + "\n")
@@ -592,7 +647,7 @@ def log_completions(output_dir: str, step: int, **columns):
 def write_json(path: str, obj: dict):
     if not is_main_process():
         return
-    with open(path, "w") as f:
+    with writing(os.path.basename(path), os.path.dirname(path)), open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
 
@@ -623,7 +678,8 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(os.path.join(output_dir, name), dpi=110)
+    with writing(name, output_dir):
+        fig.savefig(os.path.join(output_dir, name), dpi=110)
     plt.close(fig)
     return name
 

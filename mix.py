@@ -321,7 +321,8 @@ def load_expert_examples(path: str, tokenizer, max_completion_length: int):
 
     The prompt is the chat template applied to every message before the last, ending where the
     assistant's turn starts, exactly as a rollout prompt ends; the answer is the last message,
-    the expert's, plus EOS. Answers longer than max_completion_length tokens are dropped."""
+    the expert's, plus EOS. Answers longer than max_completion_length tokens are dropped (under the 1%
+    rule of unusable rows: checks.check_length_drops)."""
     data = common.load_jsonl(path, columns=("messages",))
     examples = []
     for messages in data["messages"]:  # checked by load_jsonl: a chat that ends with the assistant's answer
@@ -330,8 +331,7 @@ def load_expert_examples(path: str, tokenizer, max_completion_length: int):
         answer_ids = tokenizer(messages[-1]["content"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
         if len(answer_ids) <= max_completion_length:
             examples.append((prompt_ids, answer_ids))
-    if not examples:
-        common.fail(f"no expert answer in {path} fits in --max_completion_length {max_completion_length}")
+    common.check_length_drops(path, len(examples), len(data), f"--max_completion_length {max_completion_length}")
     return examples
 
 

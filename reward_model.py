@@ -155,8 +155,9 @@ def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_token
     return pairs
 
 
-def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int):
-    """Each row -> (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs are dropped."""
+def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int, name: str | None = None):
+    """Each row -> (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs are dropped
+    (given the data's name, under the 1% rule of unusable rows: checks.check_length_drops)."""
     pairs = []
     for prompt, chosen, rejected in zip(data["prompt"], data["chosen"], data["rejected"]):
         prompt_ids = tokenizer(common.make_prompt(tokenizer, prompt, system_prompt),
@@ -165,6 +166,8 @@ def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int):
                                               add_special_tokens=False)["input_ids"] for r in (chosen, rejected))
         if len(prompt_ids) + max(len(chosen_ids), len(rejected_ids)) <= max_length:
             pairs.append((prompt_ids, chosen_ids, rejected_ids))
+    if name:
+        common.check_length_drops(name, len(pairs), len(data["prompt"]), f"--max_length {max_length}")
     return pairs
 
 
@@ -193,7 +196,7 @@ def pairwise_accuracy(model, pairs, pad_id: int, batch_size: int = 256) -> dict:
                                                attention_mask.to(model.device)).chunk(2)
             margins.append(chosen - rejected)
     model.train()
-    margins = torch.cat(margins)
+    margins = torch.cat(margins) if margins else torch.zeros(0)  # under torchrun a process's share may be empty
     n, correct, margin_sum = (common.global_sum(float(x)) for x in (len(margins), (margins > 0).sum(), margins.sum()))
     return {"pairwise_accuracy": correct / n, "margin": margin_sum / n, "n": int(n)}
 
@@ -209,14 +212,14 @@ def main(cfg: Config):
     model = run.prepare(model, scalar_head=True)  # LoRA: adapters and the head trained; DDP: rank 0's head everywhere
     run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length)
-    # DDP: a share each
-    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length)[run.rank::run.world_size]
+    train_pairs = tokenize_pairs(tokenizer, train_data, cfg.system_prompt, cfg.max_length, f"{cfg.dataset} train")
+    test_pairs = tokenize_pairs(tokenizer, test_data, cfg.system_prompt, cfg.max_length, f"{cfg.dataset} test")
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
-    if len(train_pairs) < batch_size or not test_pairs:
+    if len(train_pairs) < batch_size or not test_pairs:  # the same on every process (a share may be empty)
         common.fail(f"{cfg.dataset} has {len(train_pairs)} training and {len(test_pairs)} held-out pairs that fit in "
                     f"--max_length {cfg.max_length}: it needs --per_device_train_batch_size x "
                     f"--gradient_accumulation_steps ({batch_size}) and 1")
+    test_pairs = test_pairs[run.rank::run.world_size]  # DDP: a share each
     # Extra pairs from the policy's own samples: for training (train prompts), and a held-out set
     # (test prompts) that measures what PPO needs: does the RM rank *this policy's* answers right?
     policy_test_pairs, num_shipped = [], len(train_pairs)

@@ -118,8 +118,9 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tenso
     return -(logprobs * mask).sum() / (common.token_count(mask) if num_tokens is None else num_tokens)
 
 
-def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int):
-    """Each row -> (prompt token ids, answer token ids ending in EOS); too-long answers are dropped.
+def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int, name: str | None = None):
+    """Each row -> (prompt token ids, answer token ids ending in EOS); too-long answers are dropped
+    (given the data's name, under the 1% rule of unusable rows: checks.check_length_drops).
 
     Two schemas: GSM8K's (question, answer = reasoning + '#### n', written as note 002's
     <think>reasoning</think><answer>n</answer>), or a preference dataset's such as
@@ -137,6 +138,8 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
         target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
         if len(target_ids) <= max_completion_length:
             examples.append((prompt_ids, target_ids))
+    if name:
+        common.check_length_drops(name, len(examples), len(pairs), f"--max_completion_length {max_completion_length}")
     return examples
 
 
@@ -185,7 +188,8 @@ def main(cfg: Config):
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it
-    examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length)
+    examples = tokenize_examples(tokenizer, train_data, cfg.system_prompt, cfg.max_completion_length,
+                                 f"{cfg.dataset} train")
     batch_size = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # examples per step, per process
     if len(examples) < batch_size:
         common.fail(f"{cfg.dataset} has {len(examples)} training answers that fit in --max_completion_length "
@@ -205,7 +209,8 @@ def main(cfg: Config):
         if has_answers:
             return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
                                    cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-        test_examples = tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length)
+        test_examples = tokenize_examples(tokenizer, test_data, cfg.system_prompt, cfg.max_completion_length,
+                                          f"{cfg.dataset} test")
         return held_out_loss(model, test_examples, tokenizer.pad_token_id)
 
     for step in run.steps([model], [optimizer], [scheduler], evaluate):

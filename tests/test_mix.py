@@ -121,14 +121,18 @@ def test_load_expert_examples(tmp_path):
     assert tokenizer.decode(prompt_ids) == common.make_prompt(tokenizer, messages[0]["content"])
     assert answer_ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(answer_ids[:-1]) == messages[-1]["content"]
-    # a system message is part of the prompt; an answer over the length limit is dropped
+    # a system message is part of the prompt; an answer over the length limit is dropped, as an unusable row
+    # is: 1 in 101 with a count in the log, more than 1% refused
     path = tmp_path / "expert.jsonl"
-    rows = [{"messages": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 1 + 1?"},
-                          {"role": "assistant", "content": "<think>1+1=2</think><answer>2</answer>"}]},
-            {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "x" * 100}]}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    good = {"messages": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "What is 1 + 1?"},
+                         {"role": "assistant", "content": "<think>1+1=2</think><answer>2</answer>"}]}
+    long = {"messages": [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "x" * 100}]}
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good] * 100 + [long]))
     examples = mix.load_expert_examples(str(path), tokenizer, 64)
-    assert len(examples) == 1 and tokenizer.decode(examples[0][0]).startswith("<|im_start|>system\nBe exact.")
+    assert len(examples) == 100 and tokenizer.decode(examples[0][0]).startswith("<|im_start|>system\nBe exact.")
+    path.write_text("".join(json.dumps(r) + "\n" for r in [good, long]))
+    with pytest.raises(SystemExit, match="1 of 2 rows are longer than --max_completion_length 64 allows"):
+        mix.load_expert_examples(str(path), tokenizer, 64)
 
 
 def test_expert_data_is_correct_and_disjoint_from_sft_and_test_problems():

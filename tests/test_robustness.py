@@ -93,6 +93,15 @@ CASES = [
     (["mix.py"], ["--expert_dataset", "{expert_bad_role}"],
      "'messages' has a message whose role is not system, user or assistant"),
     (["mix.py"], ["--expert_dataset", "{expert_not_a_list}"], "'messages' is not a list of messages"),
+    (ALL, ["--dataset", "{malformed}/train.jsonl"], "is a file, and a dataset is a folder that holds train.jsonl"),
+    (GSM8K, ["--dataset", "{duplicate_key}"], "train.jsonl line 21 gives the key 'answer' twice"),
+    (GSM8K, ["--dataset", "{nan_answer}"], "line 21: 'answer' has a final answer that is not a finite number ('nan')"),
+    (GSM8K, ["--dataset", "{inf_answer}"], "line 21: 'answer' has a final answer that is not a finite number ('inf')"),
+    (["sft.py"], ["--dataset", "{long_answers}"], "2 of 21 rows are longer than --max_completion_length 64 allows"),
+    (["reward_model.py"], ["--dataset", "{long_pairs}"], "2 of 21 rows are longer than --max_length 128 allows"),
+    (["mix.py"], ["--expert_dataset", "{expert_long}"], "rows are longer than --max_completion_length 64 allows"),
+    (["mix.py"], ["--expert_dataset", "{expert_only_answer}"], "has no user message before the expert's answer"),
+    (ALL, ["--model", "{half_moved}"], "is half replaced: a finished run was being moved into it when it stopped"),
     (["ppo.py"], ["--reward_model", "{sft}"], "is a policy (it has a language-model head), not a reward model"),
     (["grpo.py", "mix.py", "ppo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
@@ -143,6 +152,8 @@ CASES = [
     (ALL, ["--output_dir", "{a_file}/run"], "cannot be made"),
     (ALL, ["--resume", "true", "--overwrite_output_dir", "true"], "pass one of them"),
     (ALL, ["--resume", "true", "--output_dir", "{tmp}"], "--resume: no checkpoint in"),
+    (ALL, ["--resume", "true", "--output_dir", "{tmp}/never_made"], "does not exist, so there is no run to continue"),
+    (ALL, ["--output_dir", ""], "--output_dir is empty"),
     (["reward_model.py", "ppo.py", "grpo.py", "mix.py"], ["--resume", "true"], "is sft.py's, not"),
     (["sft.py"], ["--resume", "true"], "--resume continues the run as it was set, and --max_steps was 300, now 700"),
     (["sft.py"], [*SFT_RUN, "--learning_rate", "1e-3", "--resume", "true"], "--learning_rate was 0.002, now 0.001"),
@@ -187,6 +198,12 @@ def bad_data(tmp_path_factory, sft_checkpoint):
         + PAIR * 20,
         "empty_chosen": json.dumps({"prompt": "p", "chosen": "", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
         "long_prompt": LONG * 200,
+        "duplicate_key": ROW * 20 + '{"question": "What is 2 + 2?", "answer": "#### 4", "answer": "#### 5"}\n',
+        "nan_answer": gsm8k_rows({"answer": "2+2=4\n#### nan"}),
+        "inf_answer": gsm8k_rows({"answer": "2+2=4\n#### inf"}),
+        "long_answers": ROW * 19 + gsm8k_rows({"answer": "1" * 80 + "\n#### 4"}, 0) * 2,
+        "long_pairs": PAIR * 19 + (json.dumps({"prompt": "p", "chosen": "<answer>2</answer>" + "1" * 150,
+                                               "rejected": "<answer>3</answer>"}) + "\n") * 2,
     }
     for name, text in datasets.items():
         folders[name] = str(tmp / name)
@@ -198,7 +215,9 @@ def bad_data(tmp_path_factory, sft_checkpoint):
                "expert_no_content": chat(USER, {"role": "assistant"}),
                "expert_empty_answer": chat(USER, {"role": "assistant", "content": ""}),
                "expert_bad_role": chat({"role": "teacher", "content": "hi"}, ASSISTANT),
-               "expert_not_a_list": json.dumps({"messages": "What is 1 + 1? 2"}) + "\n"}
+               "expert_not_a_list": json.dumps({"messages": "What is 1 + 1? 2"}) + "\n",
+               "expert_long": chat(USER, ASSISTANT) * 20 + chat(USER, {"role": "assistant", "content": "1" * 80}),
+               "expert_only_answer": chat(ASSISTANT)}
     for name, text in experts.items():
         folders[name] = write(tmp / f"{name}.jsonl", text)
     folders["a_reward_model"] = write(tmp / "rm" / "config.json",
@@ -218,6 +237,10 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     shutil.copytree(sft_checkpoint, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
     write(tmp / "stopped_early" / ".next_run" / "metrics.jsonl", '{"step": 1}\n')
     folders["stopped_early"] = str(tmp / "stopped_early")
+    # a run folder into which a finished run was being moved when it stopped (.next_run/.complete written)
+    shutil.copytree(sft_checkpoint, tmp / "half_moved", ignore=shutil.ignore_patterns("checkpoint*"))
+    write(tmp / "half_moved" / ".next_run" / ".complete", json.dumps({"files": ["model.safetensors"]}))
+    folders["half_moved"] = str(tmp / "half_moved")
     return folders
 
 
@@ -558,3 +581,129 @@ def test_a_small_share_of_bad_rows_is_skipped_and_counted(tmp_path, capsys):
                     + json.dumps({"question": "q", "answer": "#### 1", "id": "seven"}) + "\n")
     with pytest.raises(SystemExit, match="line 203: 'id' is str, where line 202 has int"):
         common.load_jsonl(str(path), ("question", "answer"))
+
+
+# --- round three: a new folder, a half-moved run, a full disk, inputs a user expects to work ----------
+def test_a_utf8_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Some editors save UTF-8 with a byte-order mark (EF BB BF) before the first line: it is read."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (ROW * 3).encode())
+    data = common.load_jsonl(str(path), ("question", "answer"))
+    assert len(data) == 3 and data.column_names == ["question", "answer"]
+
+
+def test_a_second_run_into_a_new_folder_is_refused_from_the_first_moment(tmp_path):
+    """Two runs started at once into a folder that does not exist yet: the first to get there makes
+    the folder and locks it at once, so the other stops with one sentence, and does not replace the
+    first's results when it finishes later. Here this process is the first (it has only reached
+    prepare_output_dir) and a real second run starts beside it."""
+    out = str(tmp_path / "new")
+    cfg = sft.Config(output_dir=out)
+    assert harness.prepare_output_dir(cfg, {}) == out and os.path.isdir(out)  # made and locked
+    second = run("sft.py", "--output_dir", out, "--max_steps", "2", check=False)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir")
+    assert os.listdir(out) == []
+
+
+@pytest.mark.slow
+def test_a_run_that_stops_on_bad_input_leaves_no_new_folder(tmp_path):
+    out = str(tmp_path / "never_written")
+    result = run("grpo.py", "--model", str(tmp_path / "missing"), "--output_dir", out, check=False)
+    assert result.returncode == 1 and "run `python sft.py` first" in result.stderr
+    assert not os.path.exists(out)
+
+
+@pytest.mark.slow
+def test_a_killed_move_in_is_refused_as_a_model_until_a_run_finishes_it(tmp_path, monkeypatch):
+    """A run killed while it moved a finished run into place leaves a folder that mixes two runs:
+    reading it as --model is refused in one sentence; the next run of the script into it finishes the
+    move, and then it reads as the new run."""
+    folder = str(tmp_path / "run")
+    run_main("sft.py", *OLD_RUN, "--output_dir", folder)
+    renames, replace = [], os.replace
+
+    def crash_on_the_third(source, target):
+        if os.path.dirname(source) == os.path.join(folder, harness.NEXT_RUN):
+            renames.append(target)
+            if len(renames) == 3:
+                raise OSError("simulated crash")
+        replace(source, target)
+
+    monkeypatch.setattr(harness.os, "replace", crash_on_the_third)
+    with pytest.raises(OSError, match="simulated crash"):
+        run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--overwrite_output_dir", "true")
+    monkeypatch.undo()
+    reader = ["--model", folder, "--max_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4",
+              "--num_eval_examples", "4", "--output_dir", str(tmp_path / "grpo")]
+    with pytest.raises(SystemExit, match=f"{folder} is half replaced") as stop:
+        grpo.main(common.parse_config(grpo.Config, reader))
+    assert "\n" not in str(stop.value.code)
+    run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--resume", "true")  # finishes the move
+    run_main("grpo.py", *reader)
+
+
+def _file_size_limit(limit: int):
+    """For a subprocess: writes past `limit` bytes fail (EFBIG), as on a full disk, instead of killing it."""
+    def apply():
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_written_is_one_sentence_and_leaves_no_temporary_files(tmp_path):
+    """A write that fails while a checkpoint is saved (here a 2 MB file-size limit: the tiny model's
+    state.pt is ~13 MB): one sentence naming the folder, checkpoint.tmp removed, nothing half written."""
+    out = str(tmp_path / "out")
+    result = subprocess.run([sys.executable, "sft.py", "--output_dir", out, "--max_steps", "4", "--save_steps", "2",
+                             "--per_device_train_batch_size", "8", "--eval_steps", "100", "--num_eval_examples", "8"],
+                            cwd=ROOT, capture_output=True, text=True, preexec_fn=_file_size_limit(2 << 20))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: could not write a checkpoint to {out} (")
+    assert "free space on its disk" in result.stderr
+    assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no checkpoint.tmp left behind, no checkpoint half written
+
+
+@pytest.mark.slow
+def test_a_final_save_that_fails_keeps_the_last_checkpoint_and_resumes(tmp_path, monkeypatch):
+    """The trained model cannot be written (a full disk, injected): one sentence, the temporary folder
+    removed, the last checkpoint whole; --resume then finishes the run as an unbroken one would."""
+    args = ["--max_steps", "4", "--save_steps", "2", "--per_device_train_batch_size", "8", "--eval_steps", "100",
+            "--num_eval_examples", "8", "--logging_steps", "1"]
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    run_main("sft.py", *args, "--output_dir", whole)
+
+    def disk_full(self, folder, *rest, **kwargs):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"half a model")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(common.build_tiny_model(common.build_tokenizer())), "save_pretrained", disk_full)
+    with pytest.raises(SystemExit) as stop:
+        sft.main(common.parse_config(sft.Config, [*args, "--output_dir", broken]))
+    assert str(stop.value.code).startswith(f"error: could not write the trained model to {broken} "
+                                           "(No space left on device)")
+    assert not os.path.exists(os.path.join(broken, ".checkpoint_tmp"))
+    assert not os.path.exists(os.path.join(broken, "model.safetensors"))
+    assert os.path.isfile(os.path.join(broken, "checkpoint", "state.pt"))
+    monkeypatch.undo()
+    run_main("sft.py", *args, "--output_dir", broken, "--resume", "true")
+    assert_same_run(whole, broken)
+
+
+def test_a_process_whose_peer_stopped_says_so_in_one_sentence(tmp_path, capsys):
+    """Under torchrun, when another process stops (bad input there, its own sentence), this process's
+    next collective fails: harness's excepthook turns that into one sentence, not a traceback."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        harness._stop_with_a_stopped_peer(RuntimeError, RuntimeError("[pair.cc:534] Connection closed by peer"), None)
+        assert capsys.readouterr().err == ("error: process 0 stopped because another process of this run stopped "
+                                           "(its own message says why)\n")
+    finally:
+        dist.destroy_process_group()

@@ -77,6 +77,23 @@ def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_reward_model_with_one_held_out_pair(sft_checkpoint, tmp_path):
+    """One held-out pair on two processes: rank 1's share is empty. It used to stop there alone (and
+    rank 0 printed a collective's traceback); the check is now the same on every process."""
+    data = tmp_path / "pairs"
+    data.mkdir()
+    with open(os.path.join(ROOT, "data", "preference", "train.jsonl")) as f:
+        rows = f.readlines()
+    (data / "train.jsonl").write_text("".join(rows[:64]))
+    (data / "test.jsonl").write_text(rows[64])
+    out = str(tmp_path / "rm")
+    torchrun("reward_model.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out,
+             "--max_steps", "2", "--per_device_train_batch_size", "8", "--policy_prompts", "0")
+    with open(os.path.join(out, "eval.json")) as f:
+        assert json.load(f)["n"] == 1
+
+
+@pytest.mark.slow
 def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, tmp_path):
     """Multi-node torchrun on localhost: two "nodes" of one process each (their own torchrun, joined by
     a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights."""
