@@ -8,9 +8,7 @@ import dataclasses
 import math
 import os
 
-from tqdm import tqdm
-
-import distributed
+from distributed import log
 
 
 NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes (harness.py)
@@ -133,7 +131,7 @@ def check_rows(records: list[dict], name: str, columns, labels: list[str]) -> li
     if len(bad) > MAX_BAD_SHARE * len(records):
         fail(f"{name} {labels[index]}: {problem}; {len(bad)} of {len(records)} rows are unusable, more than "
              f"{MAX_BAD_SHARE:.0%}: fix the data")
-    _say(f"{name}: skipped {len(bad)} of {len(records)} unusable rows (the first, {labels[index]}: {problem})")
+    log(f"{name}: skipped {len(bad)} of {len(records)} unusable rows (the first, {labels[index]}: {problem})")
     skipped = {index for index, _ in bad}
     return [i for i in range(len(records)) if i not in skipped]
 
@@ -147,10 +145,4 @@ def check_length_drops(name: str, kept: int, total: int, limit: str):
         fail(f"{name}: {dropped} of {total} rows are longer than {limit} allows, more than {MAX_BAD_SHARE:.0%}: "
              "raise the limit, or shorten the data")
     if dropped:
-        _say(f"{name}: skipped {dropped} of {total} rows longer than {limit} allows")
-
-
-def _say(message: str):
-    """log(), from rank 0 only (common.log; this module imports nothing of the repo's but distributed)."""
-    if distributed.is_main_process():
-        tqdm.write(message)
+        log(f"{name}: skipped {dropped} of {total} rows longer than {limit} allows")

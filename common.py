@@ -27,7 +27,6 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -39,7 +38,7 @@ from transformers import (  # noqa: E402
 import distributed  # noqa: E402
 import rollout  # noqa: E402
 from checks import check_fits_context, check_length_drops, check_rows, check_whole_run, fail  # noqa: E402, F401
-from distributed import global_sum  # noqa: E402, F401  (a sum over processes: the algorithms' one use of them)
+from distributed import global_sum, log  # noqa: E402, F401  (a sum over processes; a line printed by rank 0)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
 transformers.utils.logging.set_verbosity_error()
@@ -95,12 +94,6 @@ def set_seed(seed: int):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def log(message: str):
-    """Print a line (between tqdm updates), from rank 0 only."""
-    if distributed.is_main_process():
-        tqdm.write(message)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 
 def setup() -> tuple[int, int]:
@@ -43,6 +44,12 @@ def get_device() -> torch.device:
 def is_main_process() -> bool:
     """Rank 0 prints, writes metrics and saves; the other ranks only compute."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log(message: str):
+    """Print a line (between tqdm updates), from rank 0 only."""
+    if is_main_process():
+        tqdm.write(message)
 
 
 def world_size() -> int:

@@ -626,7 +626,12 @@ def log_metrics(output_dir: str, metrics: dict):
     if not is_main_process():
         return
     with writing("metrics.jsonl", output_dir), open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in metrics.items()}) + "\n")
+        f.write(_json_line(metrics))
+
+
+def _json_line(row: dict) -> str:
+    """One JSON object and a newline, each float to 6 significant digits (what a curve needs)."""
+    return json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}) + "\n"
 
 
 def log_completions(output_dir: str, step: int, **columns):
@@ -638,7 +643,7 @@ def log_completions(output_dir: str, step: int, **columns):
     with writing("completions.jsonl", output_dir), open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
         for i in range(len(next(iter(columns.values())))):
             row = {"step": step, **{k: v[i] for k, v in columns.items()}}
-            f.write(json.dumps({k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in row.items()}) + "\n")
+            f.write(_json_line(row))
 
 
 # ---------------------------------------------------------------------------------------------

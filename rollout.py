@@ -77,12 +77,12 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with distributed.gathered(model), autocast(model):
-        if share_prompts:  # Speed: each distinct prompt runs once; its rows share its keys and values
-            cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [B, 1, V]
-        else:  # the prompts' keys and values (the KV cache), and the logits of their last position
+        if not share_prompts:  # the prompts' keys and values (the KV cache), and the logits of their last position
             out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                         use_cache=True, logits_to_keep=1)
             cache, logits = getattr(out, CACHE), out.logits  # logits [B, 1, V]
+        else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
+            cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [B, 1, V]
         rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [B]
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position

@@ -108,3 +108,15 @@ def sft_checkpoint(tmp_path_factory):
     run_main("sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3",
         "--eval_steps", "300", "--num_eval_examples", "64")
     return out
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """A freshly built tiny model + tokenizer saved to disk, as sft.py does."""
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = common.build_tokenizer()
+    torch.manual_seed(0)
+    model = common.build_tiny_model(tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, tokenizer, model

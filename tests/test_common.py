@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 import common
@@ -14,18 +13,6 @@ TEXTS = [
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72",
     "unicode: é ö 中文 🙂",
 ]
-
-
-@pytest.fixture(scope="module")
-def saved_tiny(tmp_path_factory):
-    """A freshly built tiny model + tokenizer saved to disk, as sft.py does."""
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = common.build_tokenizer()
-    torch.manual_seed(0)
-    model = common.build_tiny_model(tokenizer)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer, model
 
 
 def test_tokenizer_is_byte_level():

@@ -539,6 +539,24 @@ def test_a_kill_at_any_point_of_a_run_over_an_old_one_leaves_the_old_whole_or_th
     assert "old whole, new not started" in outcomes and "new resumed" in outcomes, outcomes
 
 
+def crash_inside_the_move_in(monkeypatch, folder):
+    """Run NEW_RUN over the run in `folder` and crash it between two renames of its move-in (the
+    third rename out of .next_run fails, not one of a save): .next_run is left marked complete."""
+    renames, replace = [], os.replace
+
+    def crash_on_the_third(source, target):
+        if os.path.dirname(source) == os.path.join(folder, harness.NEXT_RUN):
+            renames.append(target)
+            if len(renames) == 3:
+                raise OSError("simulated crash")
+        replace(source, target)
+
+    monkeypatch.setattr(harness.os, "replace", crash_on_the_third)
+    with pytest.raises(OSError, match="simulated crash"):
+        run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--overwrite_output_dir", "true")
+    monkeypatch.undo()
+
+
 @pytest.mark.slow
 def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkeypatch):
     """The move-in of a finished run is several renames; a crash between two of them (simulated:
@@ -547,19 +565,7 @@ def test_a_crash_inside_the_move_in_is_finished_by_the_next_run(tmp_path, monkey
     old_folder, unbroken = str(tmp_path / "old"), str(tmp_path / "unbroken")
     run_main("sft.py", *OLD_RUN, "--output_dir", old_folder)
     run_main("sft.py", *NEW_RUN, "--output_dir", unbroken)
-    renames, replace = [], os.replace
-
-    def crash_on_the_third(source, target):  # of the renames out of .next_run, not those of a save
-        if os.path.dirname(source) == os.path.join(old_folder, harness.NEXT_RUN):
-            renames.append(target)
-            if len(renames) == 3:
-                raise OSError("simulated crash")
-        replace(source, target)
-
-    monkeypatch.setattr(harness.os, "replace", crash_on_the_third)
-    with pytest.raises(OSError, match="simulated crash"):
-        run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--overwrite_output_dir", "true")
-    monkeypatch.undo()
+    crash_inside_the_move_in(monkeypatch, old_folder)
     assert os.path.isfile(os.path.join(old_folder, harness.NEXT_RUN, ".complete"))
     run_main("sft.py", *NEW_RUN, "--output_dir", old_folder, "--resume", "true")
     assert_same_run(unbroken, old_folder)
@@ -622,19 +628,7 @@ def test_a_killed_move_in_is_refused_as_a_model_until_a_run_finishes_it(tmp_path
     move, and then it reads as the new run."""
     folder = str(tmp_path / "run")
     run_main("sft.py", *OLD_RUN, "--output_dir", folder)
-    renames, replace = [], os.replace
-
-    def crash_on_the_third(source, target):
-        if os.path.dirname(source) == os.path.join(folder, harness.NEXT_RUN):
-            renames.append(target)
-            if len(renames) == 3:
-                raise OSError("simulated crash")
-        replace(source, target)
-
-    monkeypatch.setattr(harness.os, "replace", crash_on_the_third)
-    with pytest.raises(OSError, match="simulated crash"):
-        run_main("sft.py", *NEW_RUN, "--output_dir", folder, "--overwrite_output_dir", "true")
-    monkeypatch.undo()
+    crash_inside_the_move_in(monkeypatch, folder)
     reader = ["--model", folder, "--max_steps", "1", "--per_device_train_batch_size", "16", "--num_generations", "4",
               "--num_eval_examples", "4", "--output_dir", str(tmp_path / "grpo")]
     with pytest.raises(SystemExit, match=f"{folder} is half replaced") as stop:

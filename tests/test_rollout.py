@@ -10,18 +10,6 @@ import rollout
 from floats import assert_close, forward_terms, tolerance
 
 
-@pytest.fixture(scope="module")
-def saved_tiny(tmp_path_factory):
-    """A freshly built tiny model + tokenizer saved to disk, as sft.py does."""
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = common.build_tokenizer()
-    torch.manual_seed(0)
-    model = common.build_tiny_model(tokenizer)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path, tokenizer, model
-
-
 def test_completion_logprobs_match_generation_scores(saved_tiny):
     """The log-probs we train on are those of the tokens generation sampled, at the same positions,
     despite left padding (prompts of different lengths)."""
