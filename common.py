@@ -273,7 +273,7 @@ def add_lora(model, cfg, scalar_head: bool = False):
     A d_in x d_out layer gets r (d_in + d_out) adapter parameters, a share r (1/d_in + 1/d_out) of
     it: 2r / d_model for a square projection (note 002's rule of thumb), less for the MLP's wide
     ones, more for the narrow k/v projections of grouped-query attention; embeddings get none.
-    So Qwen2.5-3B at r = 16 trains 29.9M parameters (the README's table), not 2r / d_model x 3.09B
+    So Qwen2.5-3B at r = 16 trains 29.9M parameters (docs/scaling.md's memory table), not 2r / d_model x 3.09B
     = 48M. The frozen base is also the reference policy: see reference_model."""
     from peft import LoraConfig, get_peft_model
 
@@ -461,8 +461,10 @@ def token_count(mask: torch.Tensor) -> torch.Tensor:
 
 
 def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_lr_rate: float):
-    """lr(t) = peak * t / warmup during warmup, then a cosine from peak down to min_lr_rate * peak
-    (transformers' cosine_with_min_lr schedule, written out)."""
+    """lr(t) = peak * (t + 1) / warmup for t < warmup (t counts from 0, so the first step already has a
+    small learning rate, not 0), then a cosine from peak down to min_lr_rate * peak
+    (transformers' cosine_with_min_lr schedule, written out, except that its warmup starts at lr 0:
+    peak * t / warmup)."""
 
     def factor(step: int) -> float:
         if step < warmup_steps:

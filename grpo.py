@@ -79,8 +79,9 @@ class Config:
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
-    """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's and the
-    notes'; TRL 1.16 defaults to 0.0 (and to loss_type dapo, learning_rate 1e-6): set them to compare"""
+    """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's (Shao et
+    al. 2024, section 4.2; the notes name beta but give no value); TRL 1.16 defaults to 0.0 (and to loss_type dapo,
+    learning_rate 1e-6, use_bias_correction_kl True): set them to compare"""
     loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
     """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
     one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
@@ -167,9 +168,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
                      eps: float = 1e-4) -> torch.Tensor:
     """A_i = (r_i - mean(r_group)) / (std + eps) for each completion i (note 004), where std is
       'group': the std of the completion's own group (DeepSeekMath; the default, as TRL's);
-      'batch': the std of every reward of the step, on all processes (TRL's 'batch'; REINFORCE++);
-      'none':  no division at all (Dr. GRPO, Liu et al. 2025): dividing by the group's std gives
-               prompts that are almost always solved or almost never larger advantages.
+      'batch': the std of every reward of the step, on all processes (TRL's 'batch': group mean,
+               batch std, after Lite PPO, arXiv 2508.08221; REINFORCE++-baseline does the same);
+      'none':  no division at all (Dr. GRPO, Z. Liu et al. 2025). Divided by its std, every group with
+               any spread has the same sum of squared advantages, G - 1 (eps aside), whatever its success rate:
+               a prompt solved almost always or almost never weighs as much as a 50/50 one, i.e. its
+               r - mean is scaled up relative to the others'. Dr. GRPO calls that a difficulty bias.
 
     rewards [B*G], the G completions of a prompt contiguous; std is the unbiased one (torch's
     default, as TRL). The group mean is the baseline a critic would otherwise learn. A group
@@ -196,31 +200,35 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Two
     caveats when it is used as a loss term, as here (notes 002 / 004):
       - with num_iterations > 1 the tokens were sampled from pi_old, not from the pi being updated,
-        so the estimate is biased (TRL 1.16's use_bias_correction_kl multiplies k3 by pi / pi_old);
-      - its gradient is not the gradient of KL(pi || pi_ref): for tokens from pi, E[grad k3] =
-        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the reverse KL (Tang & Munos 2025;
-        Liu et al. 2025). k1 = logp - ref as a loss has E[grad k1] = E[grad logp] = 0, which is why
+        so the estimate is biased. TRL 1.16 multiplies k3 by the ratio pi / pi_old, gradient included
+        (use_bias_correction_kl, on by default); even at ratio 1 that makes the gradient
+        (logp - ref) grad logp, whose mean over tokens from pi is the gradient of the reverse
+        KL(pi || pi_ref). grpo_loss keeps DeepSeekMath's plain k3;
+      - its gradient is not the gradient of KL(pi || pi_ref), the reverse (mode-seeking) KL that the
+        objective regularises: for tokens from pi, E[grad k3] = E[(1 - pi_ref / pi) grad logp] =
+        grad KL(pi_ref || pi), the gradient of the forward (mass-covering) KL (Tang & Munos 2025;
+        K. Liu et al. 2025, arXiv 2510.01555). k1 = logp - ref as a loss has E[grad k1] = E[grad logp] = 0, which is why
         PPO puts k1 in the reward (ppo.compute_rewards) rather than in the loss.
-    [B, T] -> [B, T]."""
+    [N, T] -> [N, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
 
 def drop_truncated(completion_ids, completion_mask, eos_token_id: int) -> torch.Tensor:
-    """DAPO's overlong filtering: completion_mask [B, T] with every row that never reached EOS (cut
+    """DAPO's overlong filtering: completion_mask [N, T] with every row that never reached EOS (cut
     off at max_completion_length) set to 0, so that such a completion carries no loss."""
-    ended = ((completion_ids == eos_token_id) & completion_mask.bool()).any(dim=1)  # [B]
+    ended = ((completion_ids == eos_token_id) & completion_mask.bool()).any(dim=1)  # [N]
     return completion_mask * ended.unsqueeze(1)
 
 
 def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
-    """pi_theta / pi_old: per token, [B, T] (PPO, GRPO), or per completion, [B, 1] (GSPO, Zheng et
+    """pi_theta / pi_old: per token, [N, T] (PPO, GRPO), or per completion, [N, 1] (GSPO, Zheng et
     al. 2025): exp of the mean over the completion's tokens of log pi_theta - log pi_old, i.e. the
     geometric mean of its token ratios; the sequence, not the token, is the unit the reward scored.
     Padding must hold 0 in both log-prob tensors."""
-    log_ratio = logprobs - old_logprobs  # [B, T]
+    log_ratio = logprobs - old_logprobs  # [N, T]
     if importance_sampling_level == "sequence":
-        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
     elif importance_sampling_level != "token":
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     return torch.exp(log_ratio)
@@ -244,11 +252,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
       'dapo'    (DAPO, Yu et al. 2025): one mean over all tokens of the step, all micro-batches
                 and processes. Every token weighs the same, which reduces that length bias; the
                 denominator still changes with the batch's lengths.
-      'dr_grpo' (Dr. GRPO, Liu et al. 2025): the sum over tokens / (completions x
+      'dr_grpo' (Dr. GRPO, Z. Liu et al. 2025): the sum over tokens / (completions x
                 max_completion_length), a constant: no length bias at all.
     'bnpo' and 'dapo' are the same when a step is one micro-batch on one process.
 
-    logprobs, old_logprobs, ref_logprobs, mask: [B, T]; advantages: [B]. With a single update
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. With a single update
     per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
     logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
     when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
@@ -262,16 +270,16 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
     logprobs = torch.where(mask, logprobs, 0.0)
     old_logprobs = torch.where(mask, old_logprobs, 0.0)
-    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [B, T] or [B, 1]
-    A = advantages.unsqueeze(1)  # [B, 1]
+    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
+    A = advantages.unsqueeze(1)  # [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
-    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [B, T]
+    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     per_token = torch.where(mask, per_token, 0.0)
     sequences = len(mask) if step_sequences is None else step_sequences
     if loss_type == "grpo":
-        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B]
+        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
         return per_sequence.sum() / sequences
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
@@ -312,7 +320,7 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
     return {
         "reward": rewards.mean().item(),
         "reward_std": group_std.mean().item(),  # within-group spread: the signal
-        "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups that teach nothing
+        "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups with no reward signal (all A = 0)
         **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
         "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
         "kl": masked_mean_per_sequence(kl, completion_mask).item() if kl is not None else 0.0,
@@ -402,7 +410,7 @@ def main(cfg: Config):
             logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the loss
             for rows in micro_batches:
                 micro_logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                             cfg.temperature)  # [b, T]
+                                                             cfg.temperature)  # [n, T]
                 micro_loss = grpo_loss(
                     micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
                     ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], loss_mask[rows],

@@ -55,8 +55,10 @@ class Config:
     max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
     """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
     per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """rows per micro-batch, as in grpo.py and mix.py: a row is one prompt + one completion (PPO samples one
-    per prompt); a step samples per_device_train_batch_size x gradient_accumulation_steps prompts"""
+    """rows per micro-batch of the inference passes, as in grpo.py and mix.py: a row is one prompt + one
+    completion (PPO samples one per prompt); a step samples per_device_train_batch_size x
+    gradient_accumulation_steps prompts. The training passes split each of the num_mini_batches mini-batches
+    into gradient_accumulation_steps micro-batches of per_device_train_batch_size / num_mini_batches rows"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
     gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -170,7 +172,7 @@ def held_out_score(actor, reward_model, tokenizer, questions, max_new_tokens: in
                    batch_size=64) -> dict:
     """Held-out evaluation when the data has no answers to check (prompts only, e.g. Dahoas/rm-static):
     the reward model's mean score of the actor's greedy completions. Only as trustworthy as the
-    reward model (see the README's reward-hacking example)."""
+    reward model (see docs/classic_rlhf.md, the seeds and reward hacking)."""
     actor.eval()
     total = 0.0
     for start in range(0, len(questions), batch_size):
@@ -195,7 +197,7 @@ def rule_scores(completions: list[str], answers: list[str]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 def adaptive_kl_coef(kl_coef: float, kl: float, target_kl: float, horizon: int, batch_size: int) -> float:
     """Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", section 2.2), as
-    TRL's AdaptiveKLController: a proportional controller that steers the KL to the reference
+    the AdaptiveKLController of TRL up to 0.11: a proportional controller that steers the KL to the reference
     (the mean over completions of the summed log pi / pi_ref) toward target_kl:
 
         e = clip(KL / target_kl - 1, -0.2, 0.2),    kl_coef <- kl_coef * (1 + e * batch_size / horizon)
@@ -229,7 +231,8 @@ def gae(values, rewards, mask, gamma, lam):
         A_t     = delta_t + gamma * lam * A_{t+1}
         R_t     = A_t + V_t                               (the critic's target: the return)
 
-    lam = 1 gives A_t = (sum of rewards from t on) - V_t (Monte Carlo, high variance); lam = 0
+    lam = 1 gives A_t = (sum over k of gamma^k r_{t+k}) - V_t, the reward-to-go at the default gamma = 1
+    (Monte Carlo, high variance); lam = 0
     gives the one-step TD error (low variance, biased by the critic). Values and rewards on
     padding are treated as 0, so a row ends at its last real token. Returns (advantages, returns)
     [B, T], detached: they are targets, not functions of the parameters."""
@@ -298,7 +301,7 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=N
     So V is not kept within c of old_v: the clip only stops one batch from chasing R too far. c is
     in reward units, like V and R, not a ratio. Andrychowicz et al. (2021, "What matters in
     on-policy RL") found value clipping often does not help; it stays here because note 000's
-    DeepSpeed-Chat (and TRL's PPOTrainer) use it. values, old_values, returns, mask [B, T];
+    DeepSpeed-Chat (and TRL's PPOTrainer, before TRL dropped it) use it. values, old_values, returns, mask [B, T];
     step_tokens: see masked_mean."""
     mask = mask.bool()
     values = torch.where(mask, values, 0.0)

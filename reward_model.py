@@ -104,35 +104,39 @@ class Config:
 def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, num_pairs: int | None = None
                     ) -> torch.Tensor:
     """Pairwise (Bradley-Terry) loss of note 000: -log sigmoid(r_chosen - r_rejected), mean over pairs.
+    (Note 000's DeepSpeed-Chat averages it over the tokens after the two answers diverge; we compare
+    one score per answer, the one PPO reads: docs/concept_map.md.)
 
-        loss = -sum_i log sigmoid(r_chosen_i - r_rejected_i) / num_pairs,      num_pairs = B by default
+        loss = -sum_i log sigmoid(r_chosen_i - r_rejected_i) / num_pairs,      num_pairs = M by default
 
-    chosen_scores, rejected_scores [B]. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
+    chosen_scores, rejected_scores [M], one per pair. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
     this is the negative log-likelihood of the human's choice. Only differences of scores matter.
     With gradient accumulation, num_pairs is the whole step's pair count: each micro-batch's loss
     is then its share of the step's mean, and the shares add up to the step's loss."""
-    losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [B]
+    losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [M]
     return losses.sum() / (len(losses) if num_pairs is None else num_pairs)
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """r(x, y) [B]: the scalar head on the hidden state of each row's last real token (the EOS of
+    """r(x, y) [N]: the scalar head on the hidden state of each row's last real token (the EOS of
     every training pair; ppo.reward_scores says what happens to a completion cut off without one).
 
-    input_ids, attention_mask [B, L] laid out as [left-padded prompt | right-padded response].
+    input_ids, attention_mask [N, L] laid out as [left-padded prompt | right-padded response].
     Every position gets a hidden state, but only the last real one has read the whole answer."""
-    hidden = rollout.last_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
-    return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [B]
+    hidden = rollout.last_hidden_states(model, input_ids, attention_mask)  # [N, L, H]
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [N] index of the last 1
+    return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [N]
 
 
 @torch.no_grad()
 def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_tokens: int, system_prompt: str) -> dict:
     """Preference pairs from the policy's own samples, labelled by the rule-based checker.
 
-    Note 000: a reward model's data are answers of the models being trained, ranked by people.
-    Synthetic mistakes teach it the mistakes we thought of; the policy's samples show it the ones
-    PPO will actually produce (and push on). For each prompt, every sample whose <answer> is not
+    Note 000: a reward model's data are one prompt answered by several different language models,
+    the answers scored by people (or, for one's own domain, by ChatGPT). Here the rule-based checker
+    scores, and the answers come from the policy PPO will train: synthetic mistakes teach the reward
+    model the mistakes we thought of; the policy's samples show it the ones PPO will actually
+    produce (and push on). For each prompt, every sample whose <answer> is not
     the chosen answer's number (or whose format is broken) becomes a rejected answer, paired
     with a right sample, or with the dataset's chosen answer if the policy got none right."""
     policy.eval()
@@ -172,7 +176,7 @@ def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int, name: s
 
 
 def collate(pairs, pad_id: int):
-    """2B sequences, the B chosen then the B rejected, as [left-padded prompt | right-padded response].
+    """2M sequences (M pairs), the M chosen then the M rejected, as [left-padded prompt | right-padded response].
 
     Returns input_ids [2B, P+T], attention_mask [2B, P+T]."""
     prompts = [p for p, _, _ in pairs] * 2
@@ -265,7 +269,7 @@ def main(cfg: Config):
         loss, chosen_scores, rejected_scores = 0.0, [], []
         for input_ids, attention_mask in micro_batches:
             input_ids, attention_mask = input_ids.to(run.device), attention_mask.to(run.device)
-            chosen, rejected = sequence_scores(model, input_ids, attention_mask).chunk(2)  # [B], [B]
+            chosen, rejected = sequence_scores(model, input_ids, attention_mask).chunk(2)  # [M], [M]
             micro_loss = preference_loss(chosen, rejected, num_pairs=batch_size)  # its share of the step's mean
             micro_loss.backward()  # adds to the gradients of the earlier micro-batches
             loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares

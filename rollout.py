@@ -2,10 +2,12 @@
 gives each of their tokens. Every script calls these two; read them before any algorithm.
 
     prompt_ids, prompt_mask, completion_ids, completion_mask = generate(model, tokenizer, prompts, 64)
-    logprobs = completion_logprobs(model, input_ids, attention_mask, T)          # [B, T]
+    logprobs = completion_logprobs(model, input_ids, attention_mask, T)          # [N, T]
 
 A batch is laid out as [left-padded prompt | right-padded completion]: every completion starts at
-column P, and position ids count real tokens only, so padding changes no value.
+column P, and position ids count real tokens only, so padding changes no value. Shapes: N rows (a
+prompt and one completion each: B*G in GRPO, B in PPO), P prompt columns, T completion columns, V
+the vocabulary.
 
 Each function first does the plain thing, then has speed-ups that compute the same, each a named
 step with a switch that turns it off (tests/test_rollout.py checks that each changes nothing):
@@ -66,13 +68,13 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
     Under --fsdp the full weights are gathered once for the whole loop (distributed.gathered).
 
-    Returns prompt_ids [B, P], prompt_mask [B, P], completion_ids [B, T], completion_mask [B, T],
+    Returns prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, T], completion_mask [N, T],
     T the longest completion.
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    # [B, max_new_tokens]
+    # [N, max_new_tokens]
     completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
@@ -80,11 +82,11 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         if not share_prompts:  # the prompts' keys and values (the KV cache), and the logits of their last position
             out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
                         use_cache=True, logits_to_keep=1)
-            cache, logits = getattr(out, CACHE), out.logits  # logits [B, 1, V]
+            cache, logits = getattr(out, CACHE), out.logits  # logits [N, 1, V]
         else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
-            cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [B, 1, V]
+            cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [N, 1, V]
         rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [B]
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [N]
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
         for t in range(max_new_tokens):
             next_logits = logits[:, -1].float()  # [b, V]
@@ -106,15 +108,15 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
                            position_ids=positions[:, None], **{CACHE: cache}, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
-    completion_ids = completion_ids[:, : t + 1]  # [B, T]: up to the longest completion
+    completion_ids = completion_ids[:, : t + 1]  # [N, T]: up to the longest completion
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
 
 
 def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
-    """1 up to and including each row's first EOS, 0 after it: [B, T] -> [B, T].
+    """1 up to and including each row's first EOS, 0 after it: [N, T] -> [N, T].
 
     e.g. tokens [a, b, EOS, pad, pad] -> [1, 1, 1, 0, 0]; a row with no EOS is all ones."""
-    is_eos = (completion_ids == eos_token_id).long()  # [B, T]
+    is_eos = (completion_ids == eos_token_id).long()  # [N, T]
     eos_before = is_eos.cumsum(dim=1) - is_eos  # number of EOS strictly before each position
     return (eos_before == 0).long()
 
@@ -125,7 +127,7 @@ def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Ten
 @timed("forward")
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
                         with_entropy: bool = False, length_chunks: int = 2, share_prompts: bool = True):
-    """Per-token log-probs [B, T] of the last T tokens of input_ids [B, P+T] (the completion).
+    """Per-token log-probs [N, T] of the last T tokens of input_ids [N, P+T] (the completion).
 
     The logit at position t predicts token t+1, so the T completion tokens are predicted by the
     positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
@@ -133,7 +135,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     log-probs of the distribution the completions were sampled from. Positions after a row's
     last real token (attention_mask 0) hold junk or 0: every loss masks them.
 
-    with_entropy=True also returns the policy's entropy at each position [B, T] (no gradient),
+    with_entropy=True also returns the policy's entropy at each position [N, T] (no gradient),
     -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
     """
     T = num_completion_tokens
@@ -142,11 +144,11 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
                                              share_prompts)
         return (logprobs, entropy) if with_entropy else logprobs
     positions = torch.arange(1, T + 1, device=input_ids.device)
-    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [B]: where each row's completion ends
+    lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [N]: where each row's completion ends
     # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
     # forward or backward work is spent on the padding after the shorter ones.
-    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
-    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [B, T]
+    logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [N, T]
+    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [N, T]
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
@@ -157,7 +159,7 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
 
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
                      share_prompts: bool = True):
-    """completion_logprobs in one forward pass: (log-probs [b, T], entropy [b, T] or 0)."""
+    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0)."""
     with autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
         # One pass over prompt + completion without it, with gradient checkpointing, and under --fsdp,
@@ -177,26 +179,26 @@ def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: floa
         return logprobs, 0.0
     with torch.no_grad():
         log_p = torch.log_softmax(logits.float(), dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [b, T]
+        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [n, T]
     return logprobs, entropy
 
 
 def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] per position: logits [B, T, V], labels [B, T] -> [B, T].
+    """log softmax(logits)[label] per position: logits [N, T, V], labels [N, T] -> [N, T].
 
-    Written as logit[label] - logsumexp(logits) so no [B, T, V] log-softmax is kept."""
+    Written as logit[label] - logsumexp(logits) so no [N, T, V] log-softmax is kept."""
     logits = logits.float()
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Each token's position among its row's real tokens [B, L] (left padding is not counted)."""
+    """Each token's position among its row's real tokens [N, L] (left padding is not counted)."""
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
 @timed("forward")
 def last_hidden_states(model, input_ids, attention_mask):
-    """The transformer's last hidden states [B, L, H], without the head (reward model, critic).
+    """The transformer's last hidden states [N, L, H], without the head (reward model, critic).
     Position ids count real tokens only, as in completion_logprobs, so left padding changes nothing."""
     transformer = (model.get_base_model() if hasattr(model, "get_base_model") else model).base_model  # peft wraps it
     with autocast(model):
@@ -213,16 +215,16 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
     each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
     every log-prob pass, with the same results (gradients flow back through the copies).
-    Returns (the cache, one entry per row; the logits of each row's last prompt position [B, 1, V]).
+    Returns (the cache, one entry per row; the logits of each row's last prompt position [N, 1, V]).
     """
-    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [B]
+    distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [N]
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
     mask = prompt_mask[first_row]  # [U, P]
     out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=position_ids(mask),
                 use_cache=True, logits_to_keep=1)
     cache = getattr(out, CACHE)
-    cache.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [B, heads, P, head_dim]
+    cache.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [N, heads, P, head_dim]
     return cache, out.logits[row_to_prompt]
 
 
@@ -232,7 +234,7 @@ def prompts_repeat(prompt_ids) -> bool:
 
 
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists -> (ids [B, P], mask [B, P]); prompts are left padded so that every
+    """Left-pad token lists -> (ids [N, P], mask [N, P]); prompts are left padded so that every
     row's completion starts at the same column P."""
     ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id,
                        padding_side="left")
@@ -242,7 +244,7 @@ def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token lists -> (ids [B, T], mask [B, T]); completions are right padded."""
+    """Right-pad token lists -> (ids [N, T], mask [N, T]); completions are right padded."""
     ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True)
     return ids, mask

@@ -3,11 +3,12 @@
 The model learns to imitate worked answers: the loss is the negative log-likelihood of the
 answer tokens only (the prompt is context, not a target). With no --model it trains the
 embedded ~1M-parameter model from scratch on the shipped demonstrations of a careless teacher
-(data/demos: in 35% of them it forgets the first carry or borrow), on a laptop CPU; the RL scripts then
-reward the true answers (data/arithmetic), which the teacher did not always write.
+(data/demos: 20% of its answers are wrong, a forgotten first carry, borrow or minus sign), on a
+laptop CPU; the RL scripts then reward the true answers (data/arithmetic), which the teacher did
+not always write.
 
     python sft.py                                        # tiny model, data/demos -> out/sft
-    python sft.py --max_steps 100 --output_dir out/sft_weak   # a weaker start for RL
+    python sft.py --max_steps 300 --eval_steps 300 --output_dir out/sft_weak   # docs/mix.md's weak start
     python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --learning_rate 1e-5
     torchrun --nproc_per_node 2 sft.py ...               # data parallel over 2 GPUs (or CPU processes)
     torchrun --nproc_per_node 2 sft.py ... --fsdp true   # sharded: each process holds half the weights and states
@@ -105,7 +106,7 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tenso
 
         loss = -sum(logprobs * mask) / num_tokens,      num_tokens = sum(mask) by default
 
-    logprobs [B, T] are log pi(answer token | prompt, earlier answer tokens); mask [B, T] is 1 on
+    logprobs [N, T] are log pi(answer token | prompt, earlier answer tokens); mask [N, T] is 1 on
     real answer tokens (EOS included) and 0 on padding, so prompt and padding never count.
     Note 000's DeepSpeed-Chat trains its SFT stage on prompt + answer alike; we mask the prompt, as
     TRL's SFTTrainer does with completion_only_loss: the model is not asked to predict the user's
@@ -146,7 +147,7 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
 def collate(examples, pad_id: int):
     """[left-padded prompt | right-padded answer], the same layout as an RL rollout.
 
-    Returns input_ids [B, P+T], attention_mask [B, P+T], answer_mask [B, T]."""
+    Returns input_ids [N, P+T], attention_mask [N, P+T], answer_mask [N, T]."""
     prompt_ids, prompt_mask = rollout.pad_left([p for p, _ in examples], pad_id)
     answer_ids, answer_mask = rollout.pad_right([a for _, a in examples], pad_id)
     return torch.cat([prompt_ids, answer_ids], 1), torch.cat([prompt_mask, answer_mask], 1), answer_mask
@@ -229,7 +230,7 @@ def main(cfg: Config):
         loss = 0.0
         for input_ids, attention_mask, answer_mask in micro_batches:
             logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, answer_mask.shape[1],
-                                                   length_chunks=1)  # [B, T]
+                                                   length_chunks=1)  # [N, T]
             micro_loss = sft_loss(logprobs, answer_mask, num_tokens)  # its share of the step's token mean
             micro_loss.backward()  # adds to the gradients of the earlier micro-batches
             loss = loss + micro_loss.detach()  # the step's loss: the sum of the shares

@@ -75,6 +75,7 @@ def main():
         epsilon=ours.epsilon,
         beta=ours.beta,
         loss_type=ours.loss_type,
+        use_bias_correction_kl=False,  # TRL 1.16's default True multiplies k3 by the ratio: grpo.py's plain k3
         scale_rewards="group",  # (r - group mean) / group std, as grpo.group_advantages
         learning_rate=ours.learning_rate,
         lr_scheduler_type="cosine_with_min_lr",

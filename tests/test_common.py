@@ -1,7 +1,9 @@
 """Tokenizer round trip, data parsing, and that log-probs line up with what generation sampled."""
 import json
+import math
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 import common
@@ -113,3 +115,29 @@ def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         common.parse_config(C, ["--help"])
     assert "turn it on" in capsys.readouterr().out
+
+
+def test_warmup_cosine_schedule_hand_computed():
+    """Warmup 4 of 10 steps, min_lr_rate 0.1, peak 1: (t + 1) / 4 for t < 4, then
+    0.1 + 0.9 * 0.5 * (1 + cos(pi * (t - 4) / 6)); from the warmup's end on it is transformers' own
+    cosine_with_min_lr schedule, whose warmup (t / 4) starts at 0 instead."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    def lrs(make):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = make(optimizer)
+        values = []
+        for _ in range(11):
+            values.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return values
+
+    ours = lrs(lambda opt: common.warmup_cosine_schedule(opt, 4, 10, 0.1))
+    expected = [0.25, 0.5, 0.75, 1.0, 1.0, 0.1 + 0.45 * (1 + math.cos(math.pi / 6)),
+                0.1 + 0.45 * (1 + math.cos(math.pi / 3)), 0.55, 0.1 + 0.45 * (1 + math.cos(2 * math.pi / 3)),
+                0.1 + 0.45 * (1 + math.cos(5 * math.pi / 6)), 0.1]
+    assert ours == pytest.approx(expected, abs=1e-12)  # python floats: a few ulps of 1
+    theirs = lrs(lambda opt: get_cosine_with_min_lr_schedule_with_warmup(opt, 4, 10, min_lr_rate=0.1))
+    assert theirs[:4] == pytest.approx([0.0, 0.25, 0.5, 0.75], abs=1e-12)
+    assert ours[4:] == pytest.approx(theirs[4:], abs=1e-12)

@@ -1,0 +1,86 @@
+"""A number quoted in two places of the prose is the same number in both, and a number the prose
+derives (a gain, a share, a sum of times) equals what its parts give: when a table is re-measured, a
+sentence that quoted the old figure fails here instead of drifting (as 0.4 + 0.3 + 0.3 against the
+table's 0.32 + 0.26 + 0.25 once did)."""
+import json
+import os
+import re
+
+import pytest
+
+from conftest import ROOT
+
+
+def read(*path) -> str:
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def table_row(text: str, first_cell: str) -> list[str]:
+    """The cells of the markdown table row whose first cell starts with first_cell."""
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].startswith(first_cell):
+            return cells
+    raise AssertionError(f"no table row starting with {first_cell!r}")
+
+
+def number(cell: str) -> float:
+    return float(re.search(r"-?\d+(\.\d+)?", cell.replace(",", "")).group())
+
+
+def test_readme_step_time_is_the_speed_tables_grpo_row():
+    step, generation, forward, rest = (number(c) for c in table_row(read("docs", "speed.md"), "grpo.py")[1:5])
+    readme = read("README.md")
+    quoted = re.search(r"A GRPO step takes\s+([\d.]+) s here \(([\d.]+) s generation, ([\d.]+) s forward passes, "
+                       r"([\d.]+) s backward", readme)
+    assert quoted, "the README's GRPO step-time sentence moved: update this test"
+    assert [float(x) for x in quoted.groups()] == [step, generation, forward, rest]
+    assert generation + forward + rest == pytest.approx(step, abs=0.015)  # the table's own rounding to 0.01
+
+
+def test_readme_speed_ratio_is_the_speed_pages():
+    page = re.search(r"grpo.py generates ([\d.]+)x the completions per second", read("docs", "speed.md"))
+    readme = re.search(r"grpo.py generates ([\d.]+)x the completions per second", read("README.md"))
+    assert page and readme
+    assert float(readme.group(1)) == round(float(page.group(1)), 1)
+    ours, trl = (number(table_row(read("docs", "speed.md"), name)[5]) for name in ("grpo.py", "TRL GRPOTrainer"))
+    assert ours / trl == pytest.approx(float(page.group(1)), abs=0.01)
+
+
+def test_readme_chain_table_is_the_speed_pages_chain_table():
+    speed, readme = read("docs", "speed.md").split("**The whole chain**")[1], read("README.md")
+    for script in ("sft", "grpo", "mix"):
+        assert number(table_row(readme, f"`python {script}.py`")[1]) == number(table_row(speed, f"{script}.py")[1])
+    rm, ppo = re.findall(r"(\d+) s", table_row(readme, "`python reward_model.py` then")[1])
+    assert int(rm) == number(table_row(speed, "reward_model.py")[1])
+    assert int(ppo) == number(table_row(speed, "ppo.py")[1])
+
+
+def test_readme_gains_are_the_tables_differences():
+    readme = read("README.md")
+    start = float(re.search(r"\(([\d.]+)% at its step-0 evaluation", readme).group(1))
+    rows = {"GRPO": "`python grpo.py`", "MIX": "`python mix.py`", "PPO": "`python reward_model.py` then"}
+    quoted = re.search(r"GRPO adds \*\*([\d.]+) points of sampled accuracy\*\* .*?, MIX ([\d.]+)\s.*?PPO ([\d.]+) ",
+                       readme, re.DOTALL)
+    assert quoted
+    for (name, row), gain in zip(rows.items(), quoted.groups()):
+        assert float(gain) == pytest.approx(number(table_row(readme, row)[3]) - start, abs=1e-9), name
+
+
+def test_the_careless_teachers_share_of_wrong_answers():
+    """README and metrics.md quote how many demonstrations are wrong; count them in data/demos."""
+    wrong = total = 0
+    with open(os.path.join(ROOT, "data", "demos", "train.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            a, op, b = re.match(r"What is (-?\d+) ([+-]) (-?\d+)\?", row["question"]).groups()
+            truth = int(a) + int(b) if op == "+" else int(a) - int(b)
+            wrong += int(row["answer"].split("####")[1]) != truth
+            total += 1
+    quoted = re.search(r"so ([\d,]+) of the ([\d,]+) answers \(([\d.]+)%\) are wrong", read("README.md"))
+    assert quoted
+    assert (int(quoted.group(1).replace(",", "")), int(quoted.group(2).replace(",", ""))) == (wrong, total)
+    assert float(quoted.group(3)) == round(100 * wrong / total, 1)
+    right = re.search(r"against the ([\d.]+)% of its demonstrations that are right", read("docs", "metrics.md"))
+    assert right and float(right.group(1)) == round(100 * (total - wrong) / total, 1)
