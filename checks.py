@@ -29,6 +29,13 @@ def check_settings(cfg):
         if "usable" in field.metadata and not field.metadata["usable"](value):
             fail(f"--{field.name} must be {field.metadata['must_be']}, not {value!r}" if isinstance(value, str)
                  else f"--{field.name} must be {field.metadata['must_be']}, not {value}")
+    # settings that only work together (grpo.py, mix.py)
+    if getattr(cfg, "loss_type", None) == "cispo" and (cfg.epsilon_high is None or
+                                                        cfg.importance_sampling_level != "token"):
+        fail("--loss_type cispo caps each token's ratio at --epsilon_high, an absolute cap (MiniMax-M1 and TRL "
+             "suggest 5.0): set it, and keep --importance_sampling_level token")
+    if getattr(cfg, "advantage_estimator", "grpo") != "grpo" and cfg.scale_rewards != "group":
+        fail(f"--scale_rewards belongs to --advantage_estimator grpo; {cfg.advantage_estimator} has its own scale")
 
 
 def check_fsdp(cfg, world_size: int):

@@ -38,7 +38,7 @@ from transformers import (  # noqa: E402
 import distributed  # noqa: E402
 import rollout  # noqa: E402
 from checks import check_fits_context, check_length_drops, check_rows, check_whole_run, fail  # noqa: E402, F401
-from distributed import global_sum, log  # noqa: E402, F401  (a sum over processes; a line printed by rank 0)
+from distributed import global_min, global_sum, log  # noqa: E402, F401  (over processes; rank 0's line)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
 transformers.utils.logging.set_verbosity_error()

@@ -56,6 +56,15 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def global_min(value: int) -> int:
+    """The smallest of every process's value (an int); unchanged in a single process."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor(value, device=get_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 def global_sum(value):
     """A tensor or number summed over all processes; unchanged in a single process."""
     if not dist.is_initialized():

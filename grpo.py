@@ -9,6 +9,9 @@ reference policy.
     python grpo.py --beta 0 --loss_type dapo             # no reference model, token-mean loss
     python grpo.py --loss_type dr_grpo --scale_rewards none              # Dr. GRPO
     python grpo.py --importance_sampling_level sequence --epsilon 3e-4 --epsilon_high 4e-4  # GSPO
+    python grpo.py --advantage_estimator rloo            # RLOO (or reinforce_pp: REINFORCE++-baseline)
+    python grpo.py --loss_type cispo --epsilon_high 5    # CISPO: a capped, detached ratio weight on every token
+    python grpo.py --dynamic_sampling true               # DAPO: only groups whose rewards differ
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
     torchrun --nproc_per_node 2 grpo.py                  # data parallel over 2 GPUs (or CPU processes)
@@ -32,13 +35,15 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import common
 import harness
 import rollout
 from common import setting
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how grpo_loss averages the token losses
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages)
 
 @dataclass
 class Config:
@@ -82,12 +87,26 @@ class Config:
     """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's (Shao et
     al. 2024, section 4.2; the notes name beta but give no value); TRL 1.16 defaults to 0.0 (and to loss_type dapo,
     learning_rate 1e-6, use_bias_correction_kl True): set them to compare"""
+    advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
+                                       "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
+    """step 3, each reward against a baseline from its group (see advantages): 'grpo' (r - group mean) / std as
+    --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp'
+    r - group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and
+    reinforce_baseline"""
     loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
     """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
     one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
-    completions x max_completion_length"""
+    completions x max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's
+    A * logp weighted by its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over
+    the step's tokens"""
     scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
     """divide the centred rewards by the std of their 'group' (GRPO), of the whole 'batch', or 'none' (Dr. GRPO)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop each group whose rewards are all equal (no signal) and sample more prompts, up
+    to --max_sampling_rounds rollouts per step, until the step has B groups with spread (fewer if not found; logged
+    as dynamic_sampling/rounds and dynamic_sampling/groups)"""
+    max_sampling_rounds: int = setting(4, lambda v: v >= 1, "at least 1")
+    """with --dynamic_sampling: rollouts per step at most (DAPO's max_num_gen_batches)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
     log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
@@ -192,6 +211,49 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
 
 
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (REINFORCE Leave-One-Out; Ahmadian et al. 2024, OpenRLHF's 'rloo'): the baseline of
+    completion i is the mean of the *other* G - 1 rewards of its group, so it does not depend on
+    r_i itself (an unbiased baseline, where the plain group mean holds a 1/G share of r_i):
+
+        A_i = r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean(r_group))
+
+    No division by a std. rewards [N], the G completions of a prompt contiguous -> [N]."""
+    grouped = rewards.view(-1, group_size)  # [B, G]
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [B, G]
+    return (grouped - others_mean).view(-1)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, OpenRLHF's 'reinforce_baseline'): subtract the group
+    mean, then normalise over the whole batch, all processes:
+
+        a_i = r_i - mean(r_group);   A_i = (a_i - mean(a)) / (std(a) + eps)
+
+    where mean and std (divided by n, as OpenRLHF's) run over every completion of the step. The
+    group mean removes the prompt's difficulty; the batch std, unlike GRPO's group std, does not
+    scale a nearly-always-solved prompt up to a 50/50 one. OpenRLHF adds a per-token KL reward
+    before this and normalises over tokens; here the KL stays grpo_loss's beta * k3 term and each
+    completion counts once. rewards [N], groups contiguous -> [N]."""
+    grouped = rewards.view(-1, group_size)  # [B, G]
+    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # [N]
+    count = common.global_sum(float(centred.numel()))
+    mean = common.global_sum(centred.sum()) / count
+    std = (common.global_sum(((centred - mean) ** 2).sum()) / count).sqrt()
+    return (centred - mean) / (std + eps)
+
+
+def advantages_of(rewards: torch.Tensor, group_size: int, estimator: str = "grpo",
+                  scale_rewards: str = "group") -> torch.Tensor:
+    """Step 3 by --advantage_estimator: group_advantages ('grpo'), rloo_advantages,
+    reinforce_pp_advantages. rewards [N] -> advantages [N]."""
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards, group_size)
+    return group_advantages(rewards, group_size, scale_rewards)
+
+
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'):
 
@@ -255,6 +317,11 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
       'dr_grpo' (Dr. GRPO, Z. Liu et al. 2025): the sum over tokens / (completions x
                 max_completion_length), a constant: no length bias at all.
     'bnpo' and 'dapo' are the same when a step is one micro-batch on one process.
+      'cispo'   (MiniMax-M1, Chen et al. 2025; TRL 1.16's meaning): no clipped objective at all. Each
+                token's loss is -min(ratio, epsilon_high).detach() * A_i * logp: the ratio is
+                capped at epsilon_high (an absolute cap, e.g. 5, not 1 + eps) and detached, so it is
+                only a weight, and every token keeps its gradient A_i * grad logp, where PPO's clip
+                zeroes the gradient of a token outside the trust region. Aggregated as 'dapo'.
 
     logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. With a single update
     per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
@@ -273,7 +340,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
     A = advantages.unsqueeze(1)  # [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
-    per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
+    if loss_type == "cispo":  # a capped, detached weight on the plain policy gradient
+        per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
+    else:
+        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     per_token = torch.where(mask, per_token, 0.0)
@@ -283,7 +353,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
         return per_sequence.sum() / sequences
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type == "dapo":  # under torchrun: the global batch's tokens
+    if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
         return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
     if loss_type == "dr_grpo":
         return per_token.sum() / (sequences * max_completion_length)
@@ -298,13 +368,18 @@ def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.
 
 
 def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_high=None,
-                  importance_sampling_level="token") -> float:
-    """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update."""
+                  importance_sampling_level="token", loss_type="grpo") -> float:
+    """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update; with
+    'cispo' (no token loses its gradient) the share whose weight was capped at epsilon_high, counted
+    where A > 0 as TRL 1.16's cispo_clip_ratio."""
     ratio = importance_ratio(torch.where(mask.bool(), logprobs, 0.0), torch.where(mask.bool(), old_logprobs, 0.0),
                              mask, importance_sampling_level)
     A = advantages.unsqueeze(1)
     high = clip_eps if epsilon_high is None else epsilon_high
-    clipped = ((ratio > 1 + high) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
+    if loss_type == "cispo":
+        clipped = (ratio > high) & (A > 0)
+    else:
+        clipped = ((ratio > 1 + high) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
     return (clipped & mask.bool()).sum().item() / mask.sum().item()
 
 
@@ -326,8 +401,66 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
         "kl": masked_mean_per_sequence(kl, completion_mask).item() if kl is not None else 0.0,
         "completion_length": completion_mask.sum(dim=1).float().mean().item(),
         "clip_fraction": clip_fraction(logprobs, old_logprobs, advantages, completion_mask, cfg.epsilon,
-                                       cfg.epsilon_high, cfg.importance_sampling_level),
+                                       cfg.epsilon_high, cfg.importance_sampling_level, cfg.loss_type),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Steps 1 and 2, and DAPO's dynamic sampling
+# ---------------------------------------------------------------------------------------------
+def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
+    """Steps 1 and 2 for the B prompts of step_data ({column: [B values]}): G completions of each,
+    groups contiguous, then their rewards. Returns the rows [B*G, ...]: prompts, completions, the
+    rollout's prompt_ids, prompt_mask [B*G, P], completion_ids, completion_mask [B*G, T], and
+    rewards_per_func [B*G, F]."""
+    G = cfg.num_generations
+    # 1. Rollout: G samples of each of B prompts, groups contiguous.
+    prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
+        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
+    columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
+    rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
+    return dict(prompts=prompts, completions=completions, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                completion_ids=completion_ids, completion_mask=completion_mask, rewards_per_func=rewards_per_func)
+
+
+def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int, max_rounds: int,
+                     pad_token_id: int) -> tuple[dict, int]:
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards are all equal
+    has every advantage 0, so no policy gradient: drop it, and call sample_more() (steps 1 and 2 on
+    new prompts) until num_groups groups with spread are found, at most max_rounds rollouts in all.
+    Under torchrun every process runs as many rounds as the slowest needs and keeps as many groups
+    as the poorest found, so their passes stay in step. Returns the kept rows (sample_and_score's
+    layout; at most num_groups x G, possibly none) and the number of rounds."""
+    def with_spread(rows: dict) -> dict:
+        grouped = rows["rewards_per_func"].sum(dim=1).view(-1, group_size)  # [B, G]
+        keep = (grouped != grouped[:, :1]).any(dim=1).repeat_interleave(group_size).tolist()  # [B*G]
+        return {key: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else values[keep]
+                for key, values in rows.items()}
+
+    def groups_in(parts: list) -> int:
+        return sum(len(part["prompts"]) for part in parts) // group_size
+
+    kept, rounds = [with_spread(batch)], 1
+    while rounds < max_rounds and common.global_sum(int(groups_in(kept) < num_groups)) > 0:
+        kept.append(with_spread(sample_more()))
+        rounds += 1
+    rows = common.global_min(min(groups_in(kept), num_groups)) * group_size  # the same on every process
+
+    def stack(key: str, left: bool, value: int = 0) -> torch.Tensor:  # padded to the widest round, then cut
+        width = max(part[key].shape[1] for part in kept)
+        return torch.cat([F.pad(part[key], (width - part[key].shape[1], 0) if left else
+                                (0, width - part[key].shape[1]), value=value) for part in kept])[:rows]
+
+    return dict(prompts=[p for part in kept for p in part["prompts"]][:rows],
+                completions=[c for part in kept for c in part["completions"]][:rows],
+                prompt_ids=stack("prompt_ids", True, pad_token_id), prompt_mask=stack("prompt_mask", True),
+                completion_ids=stack("completion_ids", False, pad_token_id),
+                completion_mask=stack("completion_mask", False),
+                rewards_per_func=torch.cat([part["rewards_per_func"] for part in kept])[:rows]), rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,22 +496,25 @@ def main(cfg: Config):
         return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
                                cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
 
-    for step in run.steps([model], [optimizer], [scheduler], evaluate):
-        # 1. Rollout: G samples of each of B prompts, groups contiguous.
-        step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-        )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    def draw_prompts():  # the step's B prompts, {column: [B values]}
+        return train_data[run.rng.sample(range(len(train_data)), num_prompts)]
 
-        # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
-        columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
-        rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
+        # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
+        batch = sample_and_score(model, tokenizer, draw_prompts(), cfg)
+        if cfg.dynamic_sampling:  # DAPO: keep the groups whose rewards differ, sampling more prompts to fill B
+            batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
+                                             G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
+            if not batch["prompts"]:  # no group with spread in any round: nothing to learn from this step
+                run.log({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
+                continue
+        prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = (
+            batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
         rewards = rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
-        advantages = group_advantages(rewards, G, cfg.scale_rewards).to(run.device)  # [B*G]
+        advantages = advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)  # [B*G]
         # The tokens that carry loss [B*G, T]: every real one, or (DAPO) none of a completion that was cut off.
         loss_mask = (drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id)
                      if cfg.mask_truncated_completions else completion_mask)
@@ -428,7 +564,9 @@ def main(cfg: Config):
         old = old_logprobs if old_logprobs is not None else logprobs
         run.log({"loss": loss.item(),
                  **step_metrics(rewards_per_func, completion_mask, logprobs, old, ref_logprobs, advantages, cfg),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
+                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+                 **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(prompts) // G}
+                    if cfg.dynamic_sampling else {})},
                 completions={"prompt": prompts, "completion": completions, "advantage": advantages.tolist(),
                              **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
                                 for i, f in enumerate(REWARD_FUNCS)}})

@@ -211,3 +211,114 @@ def test_mask_truncated_completions_changes_the_loss_only(sft_checkpoint, tmp_pa
     for key in ("reward", "completion_length", "frac_reward_zero_std", "accuracy"):
         assert masked[key] == unmasked[key], key
     assert masked["loss"] != unmasked["loss"]
+
+
+def test_rloo_on_a_four_sample_group_by_hand():
+    """Rewards 1, 0, 0, 1: each baseline is the mean of the other three, A = r - (sum - r) / 3:
+    1 - 1/3, 0 - 2/3, 0 - 2/3, 1 - 1/3, which is 4/3 x (r - mean); a group of equal rewards gets 0."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    A = grpo.rloo_advantages(rewards, 4)
+    assert A.tolist() == approx([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 0.0, 0.0])
+    centred = rewards.view(-1, 4) - rewards.view(-1, 4).mean(dim=1, keepdim=True)
+    assert_close(A, 4 / 3 * centred.view(-1), terms=4)
+    assert torch.equal(grpo.advantages_of(rewards, 4, "rloo"), A)
+
+
+def test_reinforce_pp_divides_the_centred_rewards_by_the_batchs_std():
+    """Rewards (1, 0, 0, 1) and (3, 3, 3, 3) and (0, 4, 0, 0): centred per group (+-0.5; 0; -1, 3, -1, -1),
+    then the batch's mean (0) and std over all 12, divided by 12 as OpenRLHF's: sqrt((4 x 0.25 + 12) / 12)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.0, 4.0, 0.0, 0.0])
+    centred = [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0, -1.0, 3.0, -1.0, -1.0]
+    std = math.sqrt((4 * 0.25 + 1 + 9 + 1 + 1) / 12)
+    A = grpo.reinforce_pp_advantages(rewards, 4)
+    assert_close(A, [c / std for c in centred], terms=12)
+    # unlike the group std, the batch std keeps a 1-of-4 group's advantages larger than a 2-of-4 group's
+    assert A[9] > A[0] and grpo.group_advantages(rewards, 4)[9] < 2 * grpo.group_advantages(rewards, 4)[0]
+    assert torch.equal(grpo.advantages_of(rewards, 4, "reinforce_pp"), A)
+    assert torch.equal(grpo.advantages_of(rewards, 4), grpo.group_advantages(rewards, 4))  # the default
+
+
+def test_cispo_keeps_every_tokens_gradient_through_a_detached_capped_weight():
+    """Ratios 1.25 (A = +1), 0.75 (A = -1), 8.0 (A = +1) with epsilon_high 5: PPO's clip zeroes the first two
+    tokens' gradients at epsilon 0.2; CISPO's loss is -min(ratio, 5).detach() x A x logp, mean over the 3
+    tokens, so d/dlogp = -min(ratio, 5) x A / 3 for every token: -1.25/3, +0.75/3, -5/3."""
+    old = torch.zeros(3, 1)
+    logprobs = torch.log(torch.tensor([[1.25], [0.75], [8.0]])).requires_grad_()
+    A, mask = torch.tensor([1.0, -1.0, 1.0]), torch.ones(3, 1)
+    loss = grpo.grpo_loss(logprobs, old, None, A, mask, 0.2, 0.0, "cispo", epsilon_high=5.0)
+    expected = -(1.25 * math.log(1.25) - 0.75 * math.log(0.75) + 5.0 * math.log(8.0)) / 3
+    assert_close(loss, expected, terms=6)
+    loss.backward()
+    assert_close(logprobs.grad.flatten(), [-1.25 / 3, 0.75 / 3, -5.0 / 3], terms=6)
+    logprobs.grad = None
+    grpo.grpo_loss(logprobs, old, None, A, mask, 0.2, 0.0, "grpo").backward()
+    assert logprobs.grad.flatten().tolist() == [0.0, 0.0, 0.0]  # PPO's clip: outside [0.8, 1.2], no gradient
+    assert grpo.clip_fraction(logprobs.detach(), old, A, mask, 0.2, 5.0, loss_type="cispo") == approx(1 / 3)
+    # on-policy (ratio 1) CISPO's gradient is the plain policy gradient, the same as grpo's dapo aggregation
+    a, b = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]], requires_grad=True), torch.tensor([[-0.5, -1.0], [-2.0, -0.1]],
+                                                                                        requires_grad=True)
+    A2, mask2 = torch.tensor([1.0, -2.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    grpo.grpo_loss(a, a.detach(), None, A2, mask2, 0.2, 0.0, "cispo", epsilon_high=5.0).backward()
+    grpo.grpo_loss(b, b.detach(), None, A2, mask2, 0.2, 0.0, "dapo").backward()
+    assert_close(a.grad, b.grad, terms=4)
+
+
+def test_the_new_settings_refuse_what_cannot_work(tmp_path):
+    """Checked with the other settings, before any model is loaded or folder made."""
+    for args, message in ((["--loss_type", "cispo"], "set it"),
+                          (["--loss_type", "cispo", "--epsilon_high", "5", "--importance_sampling_level", "sequence"],
+                           "keep --importance_sampling_level token"),
+                          (["--advantage_estimator", "rloo", "--scale_rewards", "none"], "has its own scale")):
+        with pytest.raises(AssertionError, match=message):  # run_main turns the one-sentence exit into this
+            run_main("grpo.py", "--model", str(tmp_path / "never_loaded"), "--output_dir", str(tmp_path / "out"), *args)
+        assert not os.path.exists(tmp_path / "out")
+
+
+def fake_rollout(rewards: list[float], width: int, tag: str) -> dict:
+    """sample_and_score's layout for len(rewards) rows of one-token prompts of the given width."""
+    n = len(rewards)
+    return dict(prompts=[f"{tag}{i}" for i in range(n)], completions=[f"c{tag}{i}" for i in range(n)],
+                prompt_ids=torch.full((n, width), 7), prompt_mask=torch.ones(n, width, dtype=torch.long),
+                completion_ids=torch.full((n, width + 1), 8),
+                completion_mask=torch.ones(n, width + 1, dtype=torch.long),
+                rewards_per_func=torch.tensor(rewards).unsqueeze(1))
+
+
+def test_dynamic_sampling_never_keeps_a_group_of_equal_rewards():
+    """Groups of 2, 3 wanted. Round 1: (1, 1) dropped, (0, 1) kept; round 2 (wider rows): (0, 0) dropped,
+    (1, 0), (2, 3) kept: 3 groups after 2 rounds, the third round never drawn. Rows are padded to the widest
+    round (prompts on the left, completions on the right) with their masks 0 there."""
+    rounds = iter([fake_rollout([0.0, 0.0, 1.0, 0.0, 2.0, 3.0], 3, "b"), fake_rollout([5.0, 5.0], 1, "never")])
+    first = fake_rollout([1.0, 1.0, 0.0, 1.0], 2, "a")
+    kept, used = grpo.dynamic_sampling(first, lambda: next(rounds), group_size=2, num_groups=3, max_rounds=4,
+                                       pad_token_id=0)
+    assert used == 2
+    assert kept["prompts"] == ["a2", "a3", "b2", "b3", "b4", "b5"]
+    grouped = kept["rewards_per_func"].sum(dim=1).view(-1, 2)
+    assert (grouped[:, 0] != grouped[:, 1]).all()  # every kept group has spread
+    assert kept["prompt_ids"].shape == (6, 3) and kept["prompt_mask"][:2].tolist() == [[0, 1, 1]] * 2
+    assert kept["completion_mask"][:2].tolist() == [[1, 1, 1, 0]] * 2 and kept["prompt_ids"][0, 0] == 0
+
+
+def test_dynamic_sampling_stops_after_max_rounds_with_what_it_found():
+    """Only equal groups, twice: after max_rounds = 2 nothing is kept (the step then trains on nothing)."""
+    more = iter([fake_rollout([1.0, 1.0], 1, "b")])
+    kept, used = grpo.dynamic_sampling(fake_rollout([0.0, 0.0, 3.0, 3.0], 1, "a"), lambda: next(more), 2, 2, 2, 0)
+    assert used == 2 and kept["prompts"] == [] and kept["prompt_ids"].shape[0] == 0
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_the_new_estimators_run(sft_checkpoint, tmp_path):
+    """Two steps each: rloo, reinforce_pp with cispo, and dynamic sampling (every kept group with spread)."""
+    common_args = ["--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "32",
+                   "--eval_steps", "100", "--num_eval_examples", "8", "--eval_on_start", "false"]
+    for name, args in (("rloo", ["--advantage_estimator", "rloo"]),
+                       ("rpp", ["--advantage_estimator", "reinforce_pp", "--loss_type", "cispo", "--epsilon_high", "5",
+                                "--num_iterations", "2"]),
+                       ("ds", ["--dynamic_sampling", "true"])):
+        out = str(tmp_path / name)
+        run_main("grpo.py", "--output_dir", out, *common_args, *args)
+        rows = [row for row in read_metrics(out) if "loss" in row]
+        assert len(rows) == 2 and all(math.isfinite(row["loss"]) for row in rows)
+        if name == "ds":
+            assert all(row["frac_reward_zero_std"] == 0.0 and 1 <= row["dynamic_sampling/rounds"] <= 4 for row in rows)

@@ -153,7 +153,9 @@ def test_expert_data_is_correct_and_disjoint_from_sft_and_test_problems():
 def test_mix_is_grpo_plus_the_expert_term():
     """Every line of grpo.py's functions that mix.py shares is the same, letter for letter."""
     import inspect
-    for name in ("correctness_reward", "format_reward", "group_advantages", "kl_k3", "drop_truncated",
+    for name in ("correctness_reward", "format_reward", "group_advantages", "rloo_advantages",
+                 "reinforce_pp_advantages", "advantages_of", "sample_and_score", "dynamic_sampling", "kl_k3",
+                 "drop_truncated",
                  "importance_ratio",
                  "grpo_loss", "masked_mean_per_sequence", "clip_fraction", "step_metrics"):
         assert inspect.getsource(getattr(mix, name)) == inspect.getsource(getattr(grpo, name)), name
