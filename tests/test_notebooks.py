@@ -56,4 +56,4 @@ def test_notebook_runs(path, notebook_out, monkeypatch):
 def test_there_is_a_notebook_per_stage():
     names = [os.path.basename(path) for path in NOTEBOOKS]
     assert names == ["01_sft.ipynb", "02_reward_model.ipynb", "03_ppo.ipynb", "04_grpo.ipynb", "05_mix.ipynb",
-                     "06_compare.ipynb"]
+                     "06_compare.ipynb", "07_dpo.ipynb"]

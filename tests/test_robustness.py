@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import common
+import dpo
 import harness
 import grpo
 import mix
@@ -23,7 +24,8 @@ import reward_model
 import sft
 from conftest import ROOT, assert_same_run, run, run_main
 
-SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix}
+SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix,
+           "dpo.py": dpo}
 ALL = list(SCRIPTS)
 RL = ["ppo.py", "grpo.py", "mix.py"]
 
@@ -77,9 +79,9 @@ CASES = [
     (GSM8K, ["--dataset", "{missing_question}"], "train.jsonl line 21: 'question' is missing"),
     (GSM8K, ["--dataset", "{all_empty}"], "21 of 21 rows are unusable"),
     (GSM8K, ["--dataset", "{mixed_column}"], "train.jsonl line 22: 'source' is list, where line 21 has str"),
-    (["reward_model.py"], ["--dataset", "{no_rejected}"], "has no column 'rejected'"),
-    (["reward_model.py"], ["--dataset", "{same_pair}"], "line 1: 'chosen' and 'rejected' are the same text"),
-    (["reward_model.py"], ["--dataset", "{empty_chosen}"], "line 1: 'chosen' is empty"),
+    (["reward_model.py", "dpo.py"], ["--dataset", "{no_rejected}"], "has no column 'rejected'"),
+    (["reward_model.py", "dpo.py"], ["--dataset", "{same_pair}"], "line 1: 'chosen' and 'rejected' are the same text"),
+    (["reward_model.py", "dpo.py"], ["--dataset", "{empty_chosen}"], "line 1: 'chosen' is empty"),
     (["mix.py"], ["--expert_dataset", "{expert_no_assistant}"],
      "line 1: 'messages' does not end with an assistant message"),
     (["mix.py"], ["--expert_dataset", "/nonexistent/expert.jsonl"], "no data file /nonexistent/expert.jsonl"),
@@ -98,12 +100,21 @@ CASES = [
     (GSM8K, ["--dataset", "{nan_answer}"], "line 21: 'answer' has a final answer that is not a finite number ('nan')"),
     (GSM8K, ["--dataset", "{inf_answer}"], "line 21: 'answer' has a final answer that is not a finite number ('inf')"),
     (["sft.py"], ["--dataset", "{long_answers}"], "2 of 21 rows are longer than --max_completion_length 64 allows"),
-    (["reward_model.py"], ["--dataset", "{long_pairs}"], "2 of 21 rows are longer than --max_length 128 allows"),
+    (["reward_model.py", "dpo.py"], ["--dataset", "{long_pairs}"],
+     "2 of 21 rows are longer than --max_length 128 allows"),
     (["mix.py"], ["--expert_dataset", "{expert_long}"], "rows are longer than --max_completion_length 64 allows"),
     (["mix.py"], ["--expert_dataset", "{expert_only_answer}"], "has no user message before the expert's answer"),
     (ALL, ["--model", "{half_moved}"], "is half replaced: a finished run was being moved into it when it stopped"),
     (["ppo.py"], ["--reward_model", "{sft}"], "is a policy (it has a language-model head), not a reward model"),
-    (["grpo.py", "mix.py", "ppo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
+    (["grpo.py", "mix.py", "ppo.py", "dpo.py"], ["--model", "{a_reward_model}"], "is a reward model (a scalar head"),
+    # dpo.py: the judge of --online, and the gold answers of --prompts
+    (["dpo.py"], ["--online", "true", "--judge", "{sft}"], "is a policy (it has a language-model head), not a reward"),
+    (["dpo.py"], ["--online", "true", "--judge", "/nonexistent/rm"],
+     "no model found at /nonexistent/rm: --judge takes 'rule' or a folder written by reward_model.py"),
+    (["dpo.py"], ["--online", "true", "--prompts", "{pairs}"],
+     "has no gold answers (it has prompt, chosen, rejected): the held-out accuracy and --judge rule check answers"),
+    (["dpo.py"], ["--prompts", "{no_answer}"], "has no gold answers (it has question): the held-out accuracy check"),
+    (["dpo.py"], ["--online", "true", "--prompts", "{pairs}", "--judge", "{a_reward_model}"], "has no gold answers"),
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
     # settings
     (["grpo.py", "mix.py"], ["--loss_type", "mean"],
@@ -112,7 +123,11 @@ CASES = [
     (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"],
      "--importance_sampling_level must be one of token, sequence"),
     (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
-    (["grpo.py", "mix.py", "ppo.py"], ["--log_completions_steps", "-1"], "--log_completions_steps must be 0 or more"),
+    (["grpo.py", "mix.py", "ppo.py", "dpo.py"], ["--log_completions_steps", "-1"],
+     "--log_completions_steps must be 0 or more"),
+    (["dpo.py"], ["--loss_type", "dpo"], "--loss_type must be one of sigmoid, ipo, simpo, not 'dpo'"),
+    (["dpo.py"], ["--beta", "0"], "--beta must be positive, not 0.0"),
+    (["dpo.py"], ["--simpo_gamma", "-1"], "--simpo_gamma must be 0 or more"),
     (["ppo.py"], ["--target_kl", "0"], "--target_kl must be positive"),
     (["ppo.py"], ["--kl_horizon", "0"], "--kl_horizon must be at least 1"),
     (["grpo.py", "mix.py"], ["--num_generations", "1"], "--num_generations must be at least 2"),
@@ -135,11 +150,12 @@ CASES = [
     (ALL, ["--max_grad_norm", "inf"], "--max_grad_norm must be a finite number, not inf"),
     (ALL, ["--num_eval_examples", "-1"], "--num_eval_examples must be 0 or more"),
     (ALL, ["--seed", "-1"], "--seed must be in [0, 2^32)"),
-    (["sft.py", "reward_model.py", "grpo.py", "mix.py"], ["--weight_decay", "-0.01"],
+    (["sft.py", "reward_model.py", "grpo.py", "mix.py", "dpo.py"], ["--weight_decay", "-0.01"],
      "--weight_decay must be 0 or more"),
     (["reward_model.py"], ["--samples_per_prompt", "1"], "--samples_per_prompt must be at least 2"),
-    (["reward_model.py"], ["--max_length", "1"], "--max_length must be at least 2 tokens"),
+    (["reward_model.py", "dpo.py"], ["--max_length", "1"], "--max_length must be at least 2 tokens"),
     (RL, ["--dataset", "{long_prompt}", "--max_completion_length", "64"], "more than the model's context of 1024"),
+    (["dpo.py"], ["--prompts", "{long_prompt}", "--max_completion_length", "64"], "more than the model's context"),
     (ALL, ["--system_prompt", "{huge}"], "--system_prompt needs"),
     (["ppo.py"], ["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
     (ALL, ["--fsdp", "true"], "--fsdp shards the model over processes: run the script under torchrun"),
@@ -154,7 +170,7 @@ CASES = [
     (ALL, ["--resume", "true", "--output_dir", "{tmp}"], "--resume: no checkpoint in"),
     (ALL, ["--resume", "true", "--output_dir", "{tmp}/never_made"], "does not exist, so there is no run to continue"),
     (ALL, ["--output_dir", ""], "--output_dir is empty"),
-    (["reward_model.py", "ppo.py", "grpo.py", "mix.py"], ["--resume", "true"], "is sft.py's, not"),
+    (["reward_model.py", "ppo.py", "grpo.py", "mix.py", "dpo.py"], ["--resume", "true"], "is sft.py's, not"),
     (["sft.py"], ["--resume", "true"], "--resume continues the run as it was set, and --max_steps was 300, now 700"),
     (["sft.py"], [*SFT_RUN, "--learning_rate", "1e-3", "--resume", "true"], "--learning_rate was 0.002, now 0.001"),
     (["sft.py"], [*SFT_RUN, "--model", "{sft}", "--resume", "true"], "was trained from --model tiny"),
@@ -196,6 +212,7 @@ def bad_data(tmp_path_factory, sft_checkpoint):
         "same_pair": json.dumps({"prompt": "p", "chosen": "<answer>2</answer>", "rejected": "<answer>2</answer>"})
         + "\n"
         + PAIR * 20,
+        "pairs": PAIR * 21,  # a preference dataset, without gold answers (dpo.py's --prompts)
         "empty_chosen": json.dumps({"prompt": "p", "chosen": "", "rejected": "<answer>2</answer>"}) + "\n" + PAIR * 20,
         "long_prompt": LONG * 200,
         "duplicate_key": ROW * 20 + '{"question": "What is 2 + 2?", "answer": "#### 4", "answer": "#### 5"}\n',

@@ -1,0 +1,419 @@
+"""DPO: Direct Preference Optimization (Rafailov et al. 2023; TRL's DPOTrainer), offline and online.
+
+RLHF without a reward model and without sampling: the policy is trained directly on preference
+pairs (prompt, chosen, rejected) with a classification loss whose logit is the policy's implicit
+reward margin. Where it comes from, in five lines:
+
+  1. The KL-regularised objective of PPO (note 000): max_pi E_y~pi [r(x, y)] - beta KL(pi(.|x) || pi_ref(.|x)).
+  2. Its maximiser has a closed form: pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x), Z(x) the sum of
+     pi_ref(y|x) exp(r(x, y) / beta) over all y (Rafailov et al., section 4, eq. 4).
+  3. Solved for the reward: r(x, y) = beta log(pi*(y|x) / pi_ref(y|x)) + beta log Z(x), the implicit reward.
+  4. The reward model of note 000 (reward_model.preference_loss) fits r by Bradley-Terry:
+     P(chosen > rejected) = sigmoid(r(x, y_c) - r(x, y_r)). In that difference beta log Z(x) cancels.
+  5. So the reward model's loss, written with the implicit reward of the policy itself, trains the policy:
+     loss = -log sigmoid(beta [log pi(y_c|x)/pi_ref(y_c|x) - log pi(y_r|x)/pi_ref(y_r|x)])   (sigmoid_loss)
+
+    python sft.py && python dpo.py                       # offline: out/sft + data/preference -> out/dpo
+    python dpo.py --online true                          # online: pairs sampled from the policy, ranked by the checker
+    python reward_model.py && python dpo.py --online true --judge out/rm   # ... ranked by a reward model
+    python dpo.py --loss_type ipo                        # IPO; --loss_type simpo: SimPO, no reference model
+    torchrun --nproc_per_node 2 dpo.py                   # data parallel over 2 GPUs (or CPU processes)
+    torchrun --nproc_per_node 2 dpo.py --fsdp true       # sharded: each process holds half the weights and states
+    python dpo.py --lora_r 8                             # LoRA; pi_ref = the model with its adapter off
+
+One training step:
+  1. pairs: offline, B pairs from --dataset; online (--online true), two samples of each of B
+     prompts from the current policy (rollout.generate), ranked by the judge (rule_judge or
+     reward_model_judge; rank_pairs): a tie teaches nothing and weighs 0
+                                                  input_ids [2B, P+T]: the B chosen rows, then the B rejected
+  2. reference: log pi_ref(y|x) of every row, summed over its tokens (no gradient; none for simpo)
+                                                  ref_logps [2B]
+  3. loss: the policy's log pi(y|x) of every row, with gradient, and the loss of --loss_type
+     (sigmoid_loss, ipo_loss, simpo_loss), a mean over the step's counted pairs; backward()
+  4. update: gradients averaged over processes and clipped, one AdamW step
+  5. metrics: TRL's rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+     logps/chosen, logps/rejected (and online/pairs, online/ties)
+
+The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
+are rollout.py's; the calls on `run` are harness.py's machinery (resume, evaluation, checkpoints,
+the NaN stop, logging), which changes no number the algorithm computes.
+
+Left out, and why: TRL's other loss types (hinge, robust, exo_pair, ...: the three here span the
+family: a logistic loss, a squared one, one without a reference); label smoothing; precomputing
+the reference log-probs of the whole dataset once (TRL's precompute_ref_log_probs: a speed-up that
+saves one forward pass per step); SimPO's optional SFT term (TRL's CPOTrainer adds cpo_alpha x
+the NLL of the chosen answers: here simpo is the pure SimPO loss); online DPO's missing_eos_penalty
+and its judges other than a reward model (PairRM, an LLM as judge); skipping the forward passes
+of tied pairs (they run with weight 0, so that every process runs the same passes under torchrun).
+"""
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import common
+import harness
+import reward_model
+import rollout
+from common import setting
+
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")  # TRL's names: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo
+
+
+@dataclass
+class Config:
+    model: str = "out/sft"
+    """policy to start from (and the reference pi_ref): a folder written by sft.py, or a hub id"""
+    dataset: str = "data/preference"
+    """offline pairs: a folder with train.jsonl / test.jsonl of prompt / chosen / rejected, or a hub dataset
+    (Dahoas/rm-static); not read with --online true"""
+    prompts: str = "data/arithmetic"
+    """a folder in GSM8K's schema (question / answer): online DPO's prompts (train split) and every run's
+    held-out accuracy (test split)"""
+    output_dir: str = "out/dpo"
+    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
+    system_prompt: str = ""
+    """optional system message before each prompt (use the same as for sft.py)"""
+    online: bool = False
+    """online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer): each step's pairs are two samples of the current
+    policy per prompt, ranked by --judge, instead of the fixed pairs of --dataset"""
+    judge: str = "rule"
+    """with --online true, what ranks the two samples: 'rule' (the task's checker: a right answer beats a wrong
+    one; both right or both wrong is a tie) or a reward-model folder written by reward_model.py"""
+    loss_type: str = setting("sigmoid", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
+    """'sigmoid': DPO; 'ipo': IPO's squared loss on the per-token log-ratio margin; 'simpo': SimPO, the
+    length-normalised log-probs with a margin --simpo_gamma and no reference model (see the loss functions)"""
+    beta: float = setting(0.1, lambda v: v > 0, "positive")
+    """the KL weight of the objective the losses come from: larger keeps the policy closer to pi_ref (TRL's
+    default 0.1; IPO's target margin is 1 / (2 beta); the SimPO paper uses 2 to 2.5)"""
+    simpo_gamma: float = setting(0.5, lambda v: v >= 0, "0 or more")
+    """SimPO's target margin gamma between the chosen and rejected length-normalised rewards (TRL's default)"""
+    max_steps: int = setting(150, lambda v: v >= 1, "at least 1")
+    """optimizer steps"""
+    per_device_train_batch_size: int = setting(64, lambda v: v >= 1, "at least 1")
+    """pairs per forward pass (a micro-batch), per process; each pair is two rows (online: a prompt sampled twice)"""
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
+    """micro-batches per optimizer step: a step's pairs are per_device_train_batch_size x
+    gradient_accumulation_steps (x processes); accumulation changes memory, not the result"""
+    max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
+    """offline pairs whose prompt + longer answer is longer than this many tokens are dropped"""
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
+    """max new tokens per sample (online rollout and held-out evaluation)"""
+    temperature: float = setting(1.0, lambda v: v > 0, "positive")
+    """sampling temperature of the online rollout (the log-probs are those of the same distribution)"""
+    learning_rate: float = setting(5e-5, lambda v: v > 0, "positive")
+    """peak learning rate of AdamW: online DPO's measured setting; offline DPO on data/preference loses held-out
+    accuracy at this rate (logps/chosen falls with logps/rejected: notebook 07): try it lower, or a larger beta"""
+    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
+    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
+    """the cosine ends at min_lr_rate * learning_rate"""
+    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
+    """AdamW weight decay"""
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
+    """gradient clipping norm"""
+    eval_steps: int = setting(50, lambda v: v >= 1, "at least 1")
+    """evaluate held-out accuracy every this many steps"""
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
+    """held-out problems per evaluation (0 = the whole test split)"""
+    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
+    """completions generated at once during evaluation (lower it for a large model)"""
+    eval_on_start: bool = True
+    """evaluate before the first step too (the 'before' of the run's before -> after)"""
+    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
+    """with --online true, every this many steps, write the step's prompts, samples and judge scores to
+    completions.jsonl (0 = never)"""
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
+    """random seed"""
+    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
+                                 "a positive rank (leave it out to train every weight)")
+    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy);
+    unset = full fine-tuning"""
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
+    """dropout on the adapter's input"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the weights of the policy, the reference and the judge, and the gradients and AdamW
+    states, over the processes (FSDP2), instead of a full copy on each (data parallelism); the saved model is
+    whole, resumable checkpoints are sharded"""
+    save_steps: int = setting(50, lambda v: v >= 1, "at least 1")
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
+    merge_lora: bool = False
+    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The losses. Each takes, per pair, the summed log-probs of the chosen and rejected answers under
+# the policy (and the reference), and returns one loss per pair [B]; main() takes their mean.
+# ---------------------------------------------------------------------------------------------
+def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log pi(y|x) = sum over the answer's real tokens of log pi(y_t | x, y_<t): [B, T] -> [B]."""
+    return torch.where(mask.bool(), logprobs, 0.0).sum(dim=1)
+
+
+def implicit_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's implicit reward of an answer, r(x, y) = beta * (log pi(y|x) - log pi_ref(y|x)), up to
+    the beta log Z(x) that every answer to x shares (step 3 of the module docstring). [B] -> [B].
+    TRL logs its mean over chosen and rejected answers as rewards/chosen, rewards/rejected."""
+    return beta * (logps - ref_logps)
+
+
+def sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float) -> torch.Tensor:
+    """DPO (Rafailov et al. 2023, eq. 7; TRL loss_type 'sigmoid'), per pair:
+
+        h    = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
+        loss = -log sigmoid(beta * h)
+
+    the Bradley-Terry loss of note 000 on the implicit rewards (r_c - r_r = beta * h). Its gradient
+    with respect to log pi(y_c) is -beta * sigmoid(-beta * h) (and the opposite for y_r): a pair the
+    implicit reward already ranks right by a wide margin weighs little, a pair it ranks wrong up to
+    beta. At the start pi = pi_ref, so h = 0 and every loss is log 2. All arguments [B]."""
+    h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
+    return -F.logsigmoid(beta * h)
+
+
+def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
+             beta: float) -> torch.Tensor:
+    """IPO (Azar et al. 2023, eq. 17; TRL loss_type 'ipo'), per pair:
+
+        h    = (log pi(y_c) - log pi_ref(y_c)) / |y_c| - (log pi(y_r) - log pi_ref(y_r)) / |y_r|
+        loss = (h - 1 / (2 beta))^2
+
+    DPO's logistic loss keeps pushing h up as long as a pair is ranked at all (its minimum is at
+    h = infinity), which on pairs that are always ranked the same way drives pi_ref's answer to
+    zero probability; IPO's squared loss stops at a finite target margin 1 / (2 beta) (beta = 0.1:
+    5 nats per token), a regression target instead of a classification. The log-ratios are
+    divided by the answers' token counts (|y|, EOS included), as TRL's DPOTrainer does (its
+    comment: confirmed with the IPO authors); TRL's OnlineDPOTrainer uses the sums. All [B]."""
+    h = (chosen_logps - ref_chosen_logps) / chosen_lengths - (rejected_logps - ref_rejected_logps) / rejected_lengths
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float,
+               gamma: float) -> torch.Tensor:
+    """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer, loss_type 'simpo' with cpo_alpha 0), per pair:
+
+        loss = -log sigmoid(beta * (log pi(y_c) / |y_c| - log pi(y_r) / |y_r|) - gamma)
+
+    What it changes from DPO: the reward is the average log-prob per token, beta * log pi(y|x) / |y|,
+    with no reference model (one model in memory, no reference pass); dividing by the length
+    removes DPO's pull toward longer answers (a sum of log-probs grows with |y|); and the margin
+    gamma asks chosen to beat rejected by at least gamma / beta nats per token, not just by
+    anything. Without pi_ref nothing anchors the policy but the data. All [B]."""
+    margin = chosen_logps / chosen_lengths - rejected_logps / rejected_lengths
+    return -F.logsigmoid(beta * margin - gamma)
+
+
+def pair_losses(cfg, logps, ref_logps, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of --loss_type for each pair [b], and each row's reward [2b] for the metrics (DPO and
+    IPO: the implicit reward; SimPO: beta times the mean log-prob per token, as TRL's CPOTrainer logs).
+    logps, ref_logps (None for simpo), lengths [2b]: the b chosen rows, then the b rejected ones."""
+    if cfg.loss_type == "simpo":
+        return simpo_loss(*logps.chunk(2), *lengths.chunk(2), cfg.beta, cfg.simpo_gamma), cfg.beta * logps / lengths
+    if cfg.loss_type == "ipo":
+        losses = ipo_loss(*logps.chunk(2), *ref_logps.chunk(2), *lengths.chunk(2), cfg.beta)
+    else:
+        losses = sigmoid_loss(*logps.chunk(2), *ref_logps.chunk(2), cfg.beta)
+    return losses, implicit_rewards(logps, ref_logps, cfg.beta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online DPO: the judge ranks two samples of the policy
+# ---------------------------------------------------------------------------------------------
+def rule_judge(completions: list[str], answers: list[str]) -> torch.Tensor:
+    """The task's checker as a judge: 1 for a right answer (common.is_correct), 0 for a wrong one. [2B]"""
+    return torch.tensor([float(common.is_correct(c, a)) for c, a in zip(completions, answers)])
+
+
+@torch.no_grad()
+def reward_model_judge(judge_model, input_ids, attention_mask, batch_size: int) -> torch.Tensor:
+    """A reward model written by reward_model.py as the judge: its score r(x, y) of each row
+    (reward_model.sequence_scores, at the last real token), batch_size rows at a time. [2B]"""
+    return torch.cat([reward_model.sequence_scores(judge_model, input_ids[rows], attention_mask[rows])
+                      for rows in torch.arange(len(input_ids)).split(batch_size)]).cpu()
+
+
+def rank_pairs(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two samples of prompt i are rows 2i and 2i + 1 of scores [2B]. Returns the row order
+    [2B] that lists the B chosen rows (the higher score), then the B rejected ones, and each pair's
+    weight [B]: 0 for a tie (both right or both wrong under the rule judge: no preference to learn),
+    1 otherwise. TRL's OnlineDPOTrainer trains on ties too (the first sample as chosen)."""
+    first, second = scores[0::2], scores[1::2]  # [B] each
+    rows = torch.arange(len(first)) * 2
+    chosen = torch.where(first >= second, rows, rows + 1)
+    return torch.cat([chosen, chosen ^ 1]), (first != second).float()  # rows 2i and 2i + 1 differ in the last bit
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
+    """The mean of values [B] over the pairs that count (weights [B] of 1 and 0); 0 if none does."""
+    return ((values * weights).sum() / weights.sum().clamp(min=1)).item()
+
+
+@torch.no_grad()
+def step_metrics(rewards, logps, lengths, weights) -> dict:
+    """TRL's DPO metrics, each a mean over the step's counted pairs: rewards/chosen, rewards/rejected,
+    rewards/margins (chosen - rejected), rewards/accuracies (the share where chosen's reward is the
+    higher), logps/chosen, logps/rejected (summed log-probs: when both fall, the policy moves
+    probability to answers that are in neither column, a known failure of DPO); completion lengths.
+    weights [B]; rewards, logps, lengths [2B] (the chosen rows, then the rejected)."""
+    chosen_rewards, rejected_rewards = rewards.chunk(2)
+    chosen_logps, rejected_logps = logps.chunk(2)
+    return {"rewards/chosen": weighted_mean(chosen_rewards, weights),
+            "rewards/rejected": weighted_mean(rejected_rewards, weights),
+            "rewards/margins": weighted_mean(chosen_rewards - rejected_rewards, weights),
+            "rewards/accuracies": weighted_mean((chosen_rewards > rejected_rewards).float(), weights),
+            "logps/chosen": weighted_mean(chosen_logps, weights),
+            "logps/rejected": weighted_mean(rejected_logps, weights),
+            "completion_length": lengths.float().mean().item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+def load_data(cfg, per_step: int):
+    """(offline pairs or None, online prompts or None, held-out problems): the prompts must carry gold
+    answers, which the held-out accuracy (and the rule judge) check."""
+    columns = common.load_split(cfg.prompts, "train", columns=()).column_names
+    if "answer" not in columns or "question" not in columns:
+        judge = " and --judge rule" if cfg.online and cfg.judge == "rule" else ""
+        common.fail(f"--prompts {cfg.prompts} has no gold answers (it has {', '.join(columns)}): the held-out "
+                    f"accuracy{judge} check answers against GSM8K's question / answer rows, such as data/arithmetic")
+    prompts, test_data = common.load_splits(cfg.prompts, ("question", "answer"), cfg.num_eval_examples,
+                                            per_step if cfg.online else 0)
+    pairs = None if cfg.online else common.load_split(cfg.dataset, "train", ("prompt", "chosen", "rejected"))
+    return pairs, (prompts if cfg.online else None), test_data
+
+
+def main(cfg: Config):
+    judge_path = cfg.judge if cfg.online and cfg.judge != "rule" else ""
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset, "--prompts": cfg.prompts,
+                                   "--judge": judge_path})  # settings, output folder, torchrun
+    B = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # pairs per step, per process
+    pairs, prompts, test_data = load_data(cfg, B)
+
+    # models: the policy; pi_ref (a frozen copy, or LoRA switched off; SimPO needs none); the judge
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
+                                         trust_remote_code=cfg.trust_remote_code)
+    questions = list(test_data["question"]) + (list(prompts["question"]) if cfg.online else [])
+    longest = common.check_prompts_fit(model, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length,
+                                       cfg.prompts)
+    if not cfg.online:  # (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs dropped
+        pairs = reward_model.tokenize_pairs(tokenizer, pairs, cfg.system_prompt, cfg.max_length, f"{cfg.dataset} train")
+        if len(pairs) < B:
+            common.fail(f"{cfg.dataset} has {len(pairs)} training pairs that fit in --max_length {cfg.max_length}, "
+                        f"fewer than a step's --per_device_train_batch_size x --gradient_accumulation_steps ({B})")
+        longest_pair = max(len(p) + max(len(c), len(r)) for p, c, r in pairs)
+        common.check_fits_context(model, longest_pair, f"the longest pair of {cfg.dataset}")
+    judge_model = None
+    if judge_path:
+        judge_model = common.load_model(judge_path, scalar_head=True, reward_model=True,
+                                        missing_hint="--judge takes 'rule' or a folder written by reward_model.py",
+                                        trust_remote_code=cfg.trust_remote_code)[0]
+        judge_model.to(run.device).eval().requires_grad_(False)
+    model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
+    needs_reference = cfg.loss_type != "simpo"
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference and cfg.lora_r is None else None
+    run.shard(model, ref_model, judge_model)  # --fsdp: each process keeps 1/N of each model
+    run.log_memory([model], [ref_model, judge_model], rows=2 * cfg.per_device_train_batch_size,
+                   sequence_length=longest + cfg.max_completion_length if cfg.online else longest_pair,
+                   completion_length=cfg.max_completion_length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_rate)
+
+    def evaluate():  # held-out accuracy, greedy and sampled: run.steps calls it every --eval_steps
+        return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                               cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
+
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
+        # 1. Pairs, as 2B rows [left-padded prompt | right-padded answer]: the B chosen, then the B rejected.
+        online_metrics, completions = {}, None
+        if cfg.online:  # two samples of each of B prompts from the current policy, ranked by the judge
+            step_data = prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]}
+            texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
+                     for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
+            prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
+                model, tokenizer, texts, cfg.max_completion_length, cfg.temperature)  # [2B, P], [2B, P], [2B, T] x 2
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [2B, P+T], sample a and b of each prompt
+            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+            samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            answers = [a for a in step_data["answer"] for _ in range(2)]
+            correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
+            scores = (correct if judge_model is None else  # [2B]
+                      reward_model_judge(judge_model, input_ids, attention_mask, cfg.per_device_train_batch_size))
+            order, weights = rank_pairs(scores)  # [2B]: chosen rows then rejected rows; [B]: 0 for a tie
+            input_ids, attention_mask = input_ids[order.to(run.device)], attention_mask[order.to(run.device)]
+            T = completion_ids.shape[1]
+            online_metrics = {"online/pairs": weights.sum().item(), "online/ties": 1 - weights.mean().item(),
+                              "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
+                              **({"score": scores.mean().item()} if judge_model is not None else {})}
+            completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
+        else:  # B pairs of the dataset
+            batch = run.rng.sample(pairs, B)
+            input_ids, attention_mask = (x.to(run.device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
+            T, weights = max(max(len(c), len(r)) for _, c, r in batch), torch.ones(B)
+        weights, temperature = weights.to(run.device), cfg.temperature if cfg.online else 1.0
+        answer_mask = attention_mask[:, -T:]  # [2B, T]
+        lengths = answer_mask.sum(dim=1).float()  # [2B] |y|, EOS included
+        # Gradient accumulation: micro-batches of pairs, each the rows of its chosen and its rejected answers.
+        micro_batches = [torch.cat([pair_ids, pair_ids + B])
+                         for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
+        step_pairs = common.token_count(weights)  # the step's counted pairs (under torchrun: of all processes / N)
+
+        # 2. The reference's log-probs, log pi_ref(y|x) per row (no gradient).
+        ref_logps = torch.zeros(2 * B, device=run.device) if needs_reference else None  # [2B]
+        with torch.no_grad():
+            for rows in micro_batches if needs_reference else []:
+                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                    ref_logps[rows] = sequence_logprobs(rollout.completion_logprobs(
+                        reference, input_ids[rows], attention_mask[rows], T, temperature), answer_mask[rows])
+
+        # 3. The policy's log-probs, the loss of each pair, its share of the step's mean; backward.
+        optimizer.zero_grad(set_to_none=True)
+        logps, rewards = torch.zeros(2 * B), torch.zeros(2 * B)  # [2B] each, detached: for the metrics
+        loss = 0.0
+        for rows in micro_batches:
+            micro_logps = sequence_logprobs(rollout.completion_logprobs(
+                model, input_ids[rows], attention_mask[rows], T, temperature), answer_mask[rows])  # [2b]
+            micro_losses, micro_rewards = pair_losses(
+                cfg, micro_logps, ref_logps[rows] if needs_reference else None, lengths[rows])  # [b], [2b]
+            pair_rows = rows[: len(rows) // 2]  # the micro-batch's pairs
+            micro_loss = (micro_losses * weights[pair_rows]).sum() / step_pairs
+            micro_loss.backward()  # gradients add up over the micro-batches
+            loss = loss + micro_loss.detach()
+            logps[rows.cpu()], rewards[rows.cpu()] = micro_logps.detach().cpu(), micro_rewards.detach().cpu()
+
+        # 4. The update.
+        grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
+        optimizer.step()
+        scheduler.step()
+
+        # 5. Metrics.
+        run.log({"loss": loss.item(), **step_metrics(rewards, logps, lengths.cpu(), weights.cpu()),
+                 **online_metrics, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
+                completions=completions)
+
+    run.finish(tokenizer, {"": model}, {"loss": ["loss"],
+                                        "implicit rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],
+                                        "log-probs": ["logps/chosen", "logps/rejected"],
+                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]},
+               "Online DPO" if cfg.online else "DPO")
+    return model
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

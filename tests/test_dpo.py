@@ -1,0 +1,204 @@
+"""dpo.py: the three losses by hand (values and gradients), the implicit rewards, the online judge and
+its pairs; end to end (slow): an offline run, an online run that learns, LoRA, resume, torchrun."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dpo
+import harness
+from conftest import ROOT, assert_same_run, read_metrics, run_main, z_gain
+from floats import approx, assert_close
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+# --- the losses, by hand ----------------------------------------------------------------------
+def test_sigmoid_loss_hand_computed_and_its_gradient_weight():
+    """h = (-1 - -2) - (-3 - -2.5) = 1.5; loss = -log sigmoid(0.1 * 1.5); d loss / d log pi(y_c) =
+    -beta * sigmoid(-beta h), d loss / d log pi(y_r) = +beta * sigmoid(-beta h); the reference gets none."""
+    chosen = torch.tensor([-1.0, -4.0], requires_grad=True)
+    rejected = torch.tensor([-3.0, -4.0], requires_grad=True)
+    ref_chosen, ref_rejected = torch.tensor([-2.0, -4.0]), torch.tensor([-2.5, -4.0])
+    losses = dpo.sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta=0.1)
+    # pair 0: h = 1.5; pair 1: the policy is the reference, h = 0, loss = log 2
+    assert losses.tolist() == approx([math.log1p(math.exp(-0.15)), math.log(2)], terms=8)
+    losses.sum().backward()
+    weights = [0.1 * sigmoid(-0.15), 0.1 * 0.5]
+    assert chosen.grad.tolist() == approx([-w for w in weights], terms=8, scale=0.1)
+    assert rejected.grad.tolist() == approx(weights, terms=8, scale=0.1)
+
+
+def test_sigmoid_loss_is_the_bradley_terry_loss_of_the_implicit_rewards():
+    """note 000's -log sigmoid(r_c - r_r), with r = beta * (log pi - log pi_ref): reward_model.preference_loss."""
+    import reward_model
+
+    torch.manual_seed(0)
+    logps, ref_logps = torch.randn(8) * 10, torch.randn(8) * 10
+    rewards = dpo.implicit_rewards(logps, ref_logps, beta=0.3)
+    assert_close(rewards, 0.3 * (logps - ref_logps), terms=2)
+    losses = dpo.sigmoid_loss(*logps.chunk(2), *ref_logps.chunk(2), beta=0.3)
+    assert_close(losses.mean(), reward_model.preference_loss(*rewards.chunk(2)), terms=8, scale=rewards.abs().max())
+
+
+def test_ipo_loss_is_zero_at_its_target_margin_and_squared_around_it():
+    """h = per-token log-ratio margin; loss = (h - 1/(2 beta))^2: 0 (and a zero gradient) at h = 5 for beta 0.1."""
+    lengths_c, lengths_r = torch.tensor([2.0, 4.0]), torch.tensor([5.0, 1.0])
+    # pair 0: chosen log-ratio 10 over 2 tokens (5 a token), rejected 0: h = 5 = 1 / (2 * 0.1)
+    # pair 1: chosen log-ratio 4 over 4 tokens (1), rejected -1 over 1 token (-1): h = 2, loss = (2 - 5)^2 = 9
+    chosen = torch.tensor([-10.0, -6.0], requires_grad=True)
+    ref_chosen, rejected, ref_rejected = torch.tensor([-20.0, -10.0]), torch.tensor([-3.0, -8.0]), torch.tensor(
+        [-3.0, -7.0])
+    losses = dpo.ipo_loss(chosen, rejected, ref_chosen, ref_rejected, lengths_c, lengths_r, beta=0.1)
+    assert losses.tolist() == approx([0.0, 9.0], terms=8, scale=9.0)
+    losses.sum().backward()
+    # d/d log pi(y_c) = 2 (h - 5) / |y_c|: 0 at the target, 2 * (-3) / 4 = -1.5 for pair 1
+    assert chosen.grad.tolist() == approx([0.0, -1.5], terms=8, scale=1.5)
+
+
+def test_simpo_loss_normalises_by_length_and_subtracts_its_margin():
+    """loss = -log sigmoid(beta (log pi(y_c)/|y_c| - log pi(y_r)/|y_r|) - gamma), no reference."""
+    chosen, rejected = torch.tensor([-4.0]), torch.tensor([-9.0])
+    lengths_c, lengths_r = torch.tensor([2.0]), torch.tensor([3.0])
+    # per token: -2 vs -3, margin 1; beta 2, gamma 0.5: -log sigmoid(2 - 0.5)
+    loss = dpo.simpo_loss(chosen, rejected, lengths_c, lengths_r, beta=2.0, gamma=0.5)
+    assert loss.item() == approx(math.log1p(math.exp(-1.5)), terms=8)
+    # the same answers written twice as long, same log-prob per token: the same loss (DPO's sum would double)
+    assert dpo.simpo_loss(2 * chosen, 2 * rejected, 2 * lengths_c, 2 * lengths_r, 2.0, 0.5).item() == approx(
+        loss.item(), terms=8)
+    # gamma = beta * margin: the logit is 0, loss log 2
+    assert dpo.simpo_loss(chosen, rejected, lengths_c, lengths_r, 2.0, 2.0).item() == approx(math.log(2), terms=8)
+
+
+def test_pair_losses_dispatch_and_rewards_per_loss_type():
+    logps, ref_logps, lengths = torch.tensor([-2.0, -6.0]), torch.tensor([-3.0, -5.0]), torch.tensor([2.0, 3.0])
+    cfg = dpo.Config(beta=0.5)
+    losses, rewards = dpo.pair_losses(cfg, logps, ref_logps, lengths)
+    assert losses.tolist() == approx([-math.log(sigmoid(0.5 * 2.0))], terms=8)  # h = 1 - (-1) = 2
+    assert rewards.tolist() == approx([0.5, -0.5], terms=4)
+    cfg = dpo.Config(beta=0.5, loss_type="simpo", simpo_gamma=0.0)
+    losses, rewards = dpo.pair_losses(cfg, logps, None, lengths)
+    assert rewards.tolist() == approx([-0.5, -1.0], terms=4)  # beta * log-prob per token
+    assert losses.tolist() == approx([-math.log(sigmoid(0.5))], terms=8)
+    cfg = dpo.Config(beta=0.5, loss_type="ipo")
+    assert dpo.pair_losses(cfg, logps, ref_logps, lengths)[0].tolist() == approx([(0.5 + 1 / 3 - 1) ** 2], terms=8)
+
+
+def test_sequence_logprobs_sum_the_real_tokens_only():
+    logprobs = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert dpo.sequence_logprobs(logprobs, mask).tolist() == [-3.0, -0.5]
+
+
+# --- online: the judge and its pairs -----------------------------------------------------------
+def test_rank_pairs_orders_chosen_then_rejected_and_weighs_ties_zero():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.2, 0.7])  # 5 prompts, rows 2i and 2i + 1
+    order, weights = dpo.rank_pairs(scores)
+    assert order.tolist() == [0, 2, 5, 6, 9, 1, 3, 4, 7, 8]
+    assert weights.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]
+    chosen, rejected = scores[order].chunk(2)
+    assert bool((chosen >= rejected).all())
+
+
+def test_rule_judge_is_the_checker():
+    samples = ["<think>1+1=2</think><answer>2</answer>", "<answer>3</answer>", "no answer"]
+    assert dpo.rule_judge(samples, ["1+1=2\n#### 2"] * 3).tolist() == [1.0, 0.0, 0.0]
+
+
+# --- end to end --------------------------------------------------------------------------------
+SHORT = ["--per_device_train_batch_size", "8", "--eval_steps", "100", "--num_eval_examples", "8",
+         "--warmup_steps", "1", "--max_completion_length", "48"]
+
+
+@pytest.mark.slow
+def test_offline_run_changes_the_weights_and_writes_its_outputs(sft_checkpoint, tmp_path):
+    """4 offline steps, 2 micro-batches each: the policy moves, and the first step's loss is log 2 (the
+    policy starts as its reference, h = 0); the chosen answers' implicit reward then rises above the rejected."""
+    out = str(tmp_path / "dpo")
+    run_main("dpo.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "4",
+             "--gradient_accumulation_steps", "2", "--learning_rate", "1e-4", *SHORT)
+    for name in ("model.safetensors", "metrics.jsonl", "eval.json", "dpo.png", "run.json"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 4
+    assert rows[0]["loss"] == approx(math.log(2), terms=16)
+    assert rows[0]["rewards/margins"] == 0.0 and rows[-1]["rewards/margins"] > 0
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        assert key in rows[0], key
+    with open(os.path.join(out, "eval.json")) as f:
+        assert set(json.load(f)) == {"accuracy_greedy", "accuracy_sampled", "n"}
+    before, after = load_file(os.path.join(sft_checkpoint, "model.safetensors")), load_file(
+        os.path.join(out, "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+
+
+@pytest.mark.slow
+def test_online_run_with_the_rule_judge_raises_the_accuracy_of_its_samples(sft_checkpoint, tmp_path):
+    """30 online steps on 8 fixed problems: the share of right samples rises by more than twice its noise
+    (with lr 0 this passes by chance 2.3% of the time), and ties are counted and weigh nothing."""
+    data = tmp_path / "data"
+    data.mkdir()
+    with open(os.path.join(ROOT, "data", "arithmetic", "train.jsonl")) as f:
+        rows = f.readlines()[:8]
+    (data / "train.jsonl").write_text("".join(rows) * 4)
+    (data / "test.jsonl").write_text("".join(rows))
+    out = str(tmp_path / "online")
+    run_main("dpo.py", "--model", sft_checkpoint, "--online", "true", "--prompts", str(data), "--output_dir", out,
+             "--max_steps", "30", "--per_device_train_batch_size", "32", "--learning_rate", "1e-4",
+             "--warmup_steps", "2", "--eval_steps", "100", "--num_eval_examples", "8")
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 30
+    first, last = [r["accuracy"] for r in rows[:10]], [r["accuracy"] for r in rows[-10:]]
+    assert z_gain(first, last) > 2, (first, last)
+    assert all(r["online/pairs"] == approx(32 * (1 - r["online/ties"]), terms=4, scale=32) for r in rows)
+    assert os.path.isfile(os.path.join(out, "online_dpo.png")) and os.path.isfile(os.path.join(out,
+                                                                                               "completions.jsonl"))
+
+
+@pytest.mark.slow
+def test_lora_run_saves_an_adapter_and_its_reference_is_the_adapter_switched_off(sft_checkpoint, tmp_path):
+    """With LoRA, pi_ref is the policy with its adapter off: B = 0 at the start, so the first loss is log 2."""
+    out = str(tmp_path / "lora")
+    run_main("dpo.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "2", "--lora_r", "4",
+             "--learning_rate", "1e-3", *SHORT)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert rows[0]["loss"] == approx(math.log(2), terms=16) and rows[1]["loss"] != rows[0]["loss"]
+    adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
+    assert any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
+
+
+@pytest.mark.slow
+def test_a_run_stopped_after_a_checkpoint_resumes_to_the_unbroken_result(sft_checkpoint, tmp_path, monkeypatch):
+    """A crash right after the step-2 checkpoint, then --resume: the same metrics and weights as an unbroken run."""
+    args = ["--model", sft_checkpoint, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2", *SHORT]
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    run_main("dpo.py", *args, "--output_dir", whole)
+    save = harness.save_training_state
+
+    def crash_after_step_2(run_dir, cfg, step, *rest, **kwargs):
+        save(run_dir, cfg, step, *rest, **kwargs)
+        if step == 2:
+            raise RuntimeError("crashed after the checkpoint")
+
+    monkeypatch.setattr(harness, "save_training_state", crash_after_step_2)
+    with pytest.raises(RuntimeError, match="crashed"):
+        dpo.main(dpo.common.parse_config(dpo.Config, [*args, "--output_dir", broken]))
+    monkeypatch.undo()
+    assert "resumed from" in run_main("dpo.py", *args, "--output_dir", broken, "--resume", "true").stdout
+    assert_same_run(whole, broken)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint, tmp_path):
+    from test_scale import HELPERS, torchrun
+
+    out = str(tmp_path / "dpo")
+    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "dpo", "--model", sft_checkpoint, "--online",
+                      "true", "--max_steps", "2", "--output_dir", out, *SHORT)
+    assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
+    assert len([row for row in read_metrics(out) if "loss" in row]) == 2  # rank 0 alone wrote them
