@@ -228,7 +228,8 @@ ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
     "reward_model.py": ["--per_device_train_batch_size", "2", "--policy_prompts", "0", "--max_length", "160",
                         "--logging_steps", "1"],
     "ppo.py": ["--reward_model", "rule", "--per_device_train_batch_size", "2", "--max_completion_length", "16"],
-    "grpo.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16"],
+    "grpo.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16",
+                "--advantage_estimator", "rloo"],  # RLOO here; the default estimator: benchmarks/smollm2.sh
     "mix.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--expert_data_ratio", "0.5",
                "--max_completion_length", "48"],  # room for an expert answer
 }
