@@ -83,8 +83,8 @@ def group_example() -> str:
         "**A GRPO group of G = 4** (`grpo.group_advantages`). Mean 1.25; `torch.std` divides by G - 1 (Bessel),\n"
         f"so std = sqrt(4 x 1 / 3) = {rewards.std().item():.4f} and A = +-1 / 1.1547 = +-sqrt(3/4) = "
         f"+-{math.sqrt(3 / 4):.3f};\ndividing by G instead would give +-1. (In a group of 8 Bessel's factor is "
-        f"sqrt(7/8) = {math.sqrt(7 / 8):.3f}: a 4/4 split,\nas in notebook 05, gets A = +-{math.sqrt(7 / 8):.3f}; "
-        "notebook 04's 5/3, 3/5 and 7/1 splits get other values.)\n\n"
+        f"sqrt(7/8) = {math.sqrt(7 / 8):.3f} whatever the split;\nonly a 4/4 split gets A = +-{math.sqrt(7 / 8):.3f}, "
+        "as notebook 04 prints for its even groups; other splits get other values.)\n\n"
         + table(["completion", "reward", "r - mean", "A (ours, Bessel)", "A (std over G)"], rows)
     )
 
