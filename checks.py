@@ -1,8 +1,8 @@
 """Bad input gets one clear sentence and exit status 1, never a traceback (fail), before anything is
 written: a setting out of its range (check_settings), data rows a script cannot learn from
 (check_rows), sequences longer than the model's context (check_fits_context), a sharding request
-that cannot work (check_fsdp). The loaders in common.py call these as they read; docs/robustness.md
-lists every case the tests try.
+that cannot work (check_fsdp). The loaders in common.py call these as they read;
+docs/troubleshooting.md says what each means, and tests/test_robustness.py's table holds every case.
 """
 import dataclasses
 import math
