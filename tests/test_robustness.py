@@ -118,7 +118,7 @@ CASES = [
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
     # settings
     (["grpo.py", "mix.py"], ["--loss_type", "mean"],
-     "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, not 'mean'"),
+     "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, cispo, not 'mean'"),
     (["grpo.py", "mix.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
     (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"],
      "--importance_sampling_level must be one of token, sequence"),

@@ -29,7 +29,8 @@ def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
 
 @pytest.mark.slow
 def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
-    """30 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise.
+    """40 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise. (30 steps gave
+    z = 1.99 from the SFT checkpoint one CPU's float order made: the weaker the start, the slower the rise.)
     (The held-out file repeats the 8 problems 16 times: 512 samples, so its accuracy is not noise.)"""
     data = tmp_path / "data"
     data.mkdir()
@@ -38,12 +39,12 @@ def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     (data / "train.jsonl").write_text("".join(rows))
     (data / "test.jsonl").write_text("".join(rows) * 16)
     out = str(tmp_path / "grpo")
-    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "30",
+    run_main("grpo.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out, "--max_steps", "40",
              "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2",
              "--eval_steps", "100")
     metrics = read_metrics(out)
     rows = [row for row in metrics if "reward" in row]
-    assert len(rows) == 30
+    assert len(rows) == 40
     # Rises by more than twice its own noise: with lr 0 either check passes by chance 2.3% of the time.
     first, last = [r["reward"] for r in rows[:10]], [r["reward"] for r in rows[-10:]]
     assert z_gain(first, last) > 2, (first, last)  # per-step means of 64 rewards each, in [-2, 2.25]
