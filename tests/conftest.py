@@ -101,13 +101,38 @@ def assert_same_run(a, b):
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
+# `python -m pytest tests -n 2` (pytest-xdist, as CI runs the suite) runs the tests in two worker
+# processes, one per core of a laptop: each worker computes with one thread (two workers of two threads
+# each would share two cores), and so do the processes it starts (scripts, torchrun, notebook kernels).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def built_once(tmp_path_factory, name: str, build) -> str:
+    """A folder that build(folder) fills, made once per test session: with -n 2 the first worker
+    to ask builds it (the other waits on a lock) and both read it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = str(tmp_path_factory.mktemp(name))
+        build(folder)
+        return folder
+    from filelock import FileLock  # installed with transformers (huggingface_hub)
+
+    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's own
+    folder = str(shared / name)
+    with FileLock(str(shared / f"{name}.lock")):
+        if not os.path.isfile(f"{folder}.done"):
+            build(folder)
+            open(f"{folder}.done", "w").close()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory):
     """A short SFT run (~1 min): the answer format is learned, the sums are right ~40% of the time."""
-    out = str(tmp_path_factory.mktemp("sft"))
-    run_main("sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3",
-        "--eval_steps", "300", "--num_eval_examples", "64")
-    return out
+    return built_once(tmp_path_factory, "sft", lambda out: run_main(
+        "sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300",
+        "--num_eval_examples", "64", "--overwrite_output_dir", "true"))
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,8 @@ import reward_model
 import sft
 from floats import assert_close, tolerance
 
-pytestmark = pytest.mark.slow  # the real model: loading it alone takes ~13 s
+# the real model: loading it alone takes ~13 s; with `-n 2`, all on one worker, which loads it once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gguf")]
 
 COMPLETION = "<think>12+5=17</think><answer>17</answer>"
 

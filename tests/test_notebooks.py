@@ -17,7 +17,8 @@ from nbclient import NotebookClient
 
 from conftest import ROOT
 
-pytestmark = pytest.mark.slow  # each notebook trains small models
+# each notebook trains small models; with `-n 2`, all on one worker, so the reward model 02 trains serves 03
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("notebooks")]
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 

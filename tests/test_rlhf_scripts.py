@@ -8,17 +8,16 @@ from safetensors.torch import load_file
 import common
 import ppo
 import reward_model
-from conftest import ROOT, read_metrics, run_main, z_accuracy, z_gain
+from conftest import ROOT, built_once, read_metrics, run_main, z_accuracy, z_gain
 
 
 @pytest.fixture(scope="session")
 def rm_checkpoint(sft_checkpoint, tmp_path_factory):
     """A short reward-model run on the shipped pairs, from the short SFT checkpoint."""
-    out = str(tmp_path_factory.mktemp("rm"))
-    run_main("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "60",
+    return built_once(tmp_path_factory, "rm", lambda out: run_main(
+        "reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "60",
         "--learning_rate", "1e-3", "--warmup_steps", "5", "--eval_steps", "30", "--num_eval_examples", "128",
-        "--policy_prompts", "64", "--samples_per_prompt", "4")
-    return out
+        "--policy_prompts", "64", "--samples_per_prompt", "4", "--overwrite_output_dir", "true"))
 
 
 @pytest.mark.slow

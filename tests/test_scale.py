@@ -173,18 +173,34 @@ FSDP_RUNS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(sft_checkpoint, rm_short, tmp_path_factory):
+    """Each of FSDP_RUNS twice, with data parallelism and with --fsdp, all in one torchrun of 2 processes.
+    Speed: one start-up instead of 14 (importing torch and transformers is most of a 3-step run), the
+    same runs as 14 torchruns; returns, per run, (the DDP folder, the FSDP folder, what the FSDP run printed)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    runs, folders = [], []
+    for i, (script, args) in enumerate(FSDP_RUNS):
+        args = [script.removesuffix(".py"), "--model", sft_checkpoint, *args, *FSDP_SHORT,
+                *(["--reward_model", rm_short] if script == "ppo.py" else [])]
+        ddp, fsdp = str(tmp / f"{i}_ddp"), str(tmp / f"{i}_fsdp")
+        runs += [[*args, "--output_dir", ddp], [*args, "--output_dir", fsdp, "--fsdp", "true"]]
+        folders.append((ddp, fsdp))
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    printed = torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp / "runs.json")).stdout.split("=== run ")
+    return [(ddp, fsdp, printed[2 * i + 2]) for i, (ddp, fsdp) in enumerate(folders)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, args", FSDP_RUNS, ids=[s + (" LoRA" * ("--lora_r" in a)) for s, a in FSDP_RUNS])
-def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_short, tmp_path, script, args):
+@pytest.mark.xdist_group("fsdp")  # with `-n 2`: these tests on one worker, so the fixture runs once
+@pytest.mark.parametrize("index", range(len(FSDP_RUNS)),
+                         ids=[s + (" LoRA" * ("--lora_r" in a)) for s, a in FSDP_RUNS])
+def test_fsdp_trains_as_data_parallelism_does(fsdp_runs, sft_checkpoint, index):
     """Every script under torchrun with --fsdp: the same metrics and weights as the same two-process
     run with data parallelism (which the test above and test_torchrun_* tie to one process on the
     whole batch), to float32 rounding; the start-up memory table divides the sharded rows by 2."""
-    args = [script, "--model", sft_checkpoint, *args, *FSDP_SHORT,
-            *(["--reward_model", rm_short] if script == "ppo.py" else [])]
-    ddp, fsdp = str(tmp_path / "ddp"), str(tmp_path / "fsdp")
-    torchrun(*args, "--output_dir", ddp)
-    result = torchrun(*args, "--output_dir", fsdp, "--fsdp", "true")
-    assert "/ 2 (sharded)" in result.stdout + result.stderr
+    ddp, fsdp, printed = fsdp_runs[index]
+    assert "/ 2 (sharded)" in printed
     config = common.load_model(sft_checkpoint)[0].config
     # the longest sums: a forward pass, then a gradient entry over the global batch's tokens
     # (2 processes x at most 16 rows x at most 100 tokens of prompt and completion)
