@@ -50,9 +50,13 @@ def run(method: str, seed: int, args) -> str:
     return out
 
 
-def evaluations(folder: str) -> list[dict]:
+def read_rows(folder: str) -> list[dict]:
     with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
+        return [json.loads(line) for line in f]
+
+
+def evaluations(folder: str) -> list[dict]:
+    return [row for row in read_rows(folder) if "eval/accuracy_sampled" in row]
 
 
 def spread(values: list[float]) -> str:
@@ -95,14 +99,19 @@ def main():
         greedy = [100 * e[-1]["eval/accuracy_greedy"] for e in evals]
         print(f"| {method} | {steps[-1]} | {minutes[-1]:.1f} | {spread(start)} | {spread(end)} | "
               f"{spread([b - a for a, b in zip(start, end)])} | {spread(greedy)} |")
-        if method == "dpo_offline":
-            with open(os.path.join(ROOT, runs[0], "metrics.jsonl")) as f:
-                rows = [row for row in map(json.loads, f) if "logps/chosen" in row]
-            for key in ("logps/chosen", "logps/rejected"):
-                logps.plot([row["step"] for row in rows], [row[key] for row in rows], label=key)
+        if method == "dpo_offline":  # the policy's log-ratio to pi_ref (TRL's rewards/* over beta), seeds' mean
+            rows = [[row for row in read_rows(os.path.join(ROOT, f)) if "rewards/chosen" in row] for f in runs]
+            with open(os.path.join(ROOT, runs[0], "run.json")) as f:
+                beta = json.load(f)["settings"]["beta"]
+            for key in ("chosen", "rejected"):
+                logps.plot([row["step"] for row in rows[0]],
+                           [statistics.fmean(r[i][f"rewards/{key}"] for r in rows) / beta for i in range(len(rows[0]))],
+                           label=f"{key}: mean log pi - log pi_ref")
+                logps.axhline(statistics.fmean(row[f"logps/{key}"] for r in rows for row in r), ls=":", lw=1,
+                              color=logps.lines[-1].get_color(), label=f"{key}: mean summed log pi (a level)")
     by_step.set(xlabel="step", ylabel="held-out sampled accuracy, % (mean; band: range over seeds)")
     by_time.set(xlabel="minutes (time/elapsed, evaluations included)", ylabel="held-out sampled accuracy, %")
-    logps.set(xlabel="step", ylabel="summed log-prob", title=f"offline DPO, seed {args.seeds[0]}")
+    logps.set(xlabel="step", ylabel="nats", title="offline DPO: the chosen and the rejected answers")
     for ax in (by_step, by_time, logps):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

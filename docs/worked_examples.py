@@ -14,6 +14,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import dpo  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
 
@@ -89,6 +90,47 @@ def group_example() -> str:
     )
 
 
+def estimators_example() -> str:
+    """Two groups of G = 4 through the three --advantage_estimator options."""
+    rewards = torch.tensor([2.25, 0.25, 0.25, 2.25, 2.25, 2.25, 2.25, 0.25])  # a 50/50 prompt, a mostly solved one
+    columns = [grpo.group_advantages(rewards, 4), grpo.rloo_advantages(rewards, 4),
+               grpo.reinforce_pp_advantages(rewards, 4)]
+    rows = [[str(i // 4 + 1), f(rewards[i].item(), 2), *(f(a[i].item(), 3) for a in columns)] for i in range(8)]
+    return (
+        "**The same rewards under each `--advantage_estimator`** (`grpo.group_advantages`, `grpo.rloo_advantages`,\n"
+        "`grpo.reinforce_pp_advantages`): group 1 is a 50/50 prompt, group 2 one solved 3 times in 4. RLOO's\n"
+        "baseline is the mean of the other three rewards, so A = 4/3 x (r - group mean) and no std: 1 x 4/3 in\n"
+        "group 1, 0.5 x 4/3 and 1.5 x 4/3 in group 2. GRPO divides each group by its own std, so the lone\n"
+        "failure of group 2 weighs 1.5 where group 1's failures weigh 0.87. REINFORCE++ divides every\n"
+        "r - group mean by one std, the whole batch's (over n, as OpenRLHF), so the two groups keep their\n"
+        "relative sizes.\n\n"
+        + table(["group", "reward", "A grpo (group std)", "A rloo (leave-one-out)", "A reinforce_pp (batch std)"], rows)
+    )
+
+
+def dpo_pair() -> str:
+    """Notebook 07's pair through dpo.sigmoid_loss and dpo.ipo_loss: value and gradient weight."""
+    chosen, rejected = torch.tensor([-10.0], requires_grad=True), torch.tensor([-14.0], requires_grad=True)
+    ref_chosen, ref_rejected = torch.tensor([-11.0]), torch.tensor([-13.0])
+    rows = []
+    for beta in (0.1, 0.5):
+        loss = dpo.sigmoid_loss(chosen, rejected, ref_chosen, ref_rejected, beta).sum()
+        chosen.grad = rejected.grad = None
+        loss.backward()
+        rewards = dpo.implicit_rewards(torch.tensor([-10.0, -14.0]), torch.tensor([-11.0, -13.0]), beta)
+        rows.append([str(beta), f(rewards[0].item()), f(rewards[1].item()), f(loss.item()),
+                     f(-chosen.grad.item()), f(-rejected.grad.item())])
+    return (
+        "**One DPO pair** (`dpo.sigmoid_loss`, `dpo.implicit_rewards`; notebook 07's pair): log pi(y_c) = -10,\n"
+        "log pi(y_r) = -14, log pi_ref(y_c) = -11, log pi_ref(y_r) = -13. The policy likes the chosen answer 1 nat\n"
+        "more than the reference and the rejected one 1 nat less: h = 2. The loss is -log sigmoid(beta h); the\n"
+        "weight of each answer's log-prob is -d loss / d log pi = +-beta sigmoid(-beta h): at h = 0 it would be\n"
+        "beta / 2, and it falls as the margin grows (more at a larger beta).\n\n"
+        + table(["beta", "implicit reward, chosen", "rejected", "loss", "weight on log pi(y_c)",
+                 "weight on log pi(y_r)"], rows)
+    )
+
+
 def aggregation_example() -> str:
     """Two completions of 2 and 6 tokens, A = +1 and -1, ratio 1, beta 0: value and per-token weight."""
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
@@ -136,7 +178,8 @@ def clip_cases() -> str:
 
 
 def render() -> str:
-    parts = [ppo_sequence(), group_example(), aggregation_example(), clip_cases()]
+    parts = [ppo_sequence(), group_example(), estimators_example(), aggregation_example(), clip_cases(),
+             dpo_pair()]
     return BEGIN + "\n" + "\n\n".join(parts) + "\n" + END
 
 

@@ -84,3 +84,14 @@ def test_the_careless_teachers_share_of_wrong_answers():
     assert float(quoted.group(3)) == round(100 * wrong / total, 1)
     right = re.search(r"against the ([\d.]+)% of its demonstrations that are right", read("docs", "metrics.md"))
     assert right and float(right.group(1)) == round(100 * (total - wrong) / total, 1)
+
+
+def test_readme_syllabus_gains_are_the_dpo_pages_table():
+    """README's side-by-side gains (DPO's item) are the gain column of docs/dpo.md's table."""
+    readme, page = read("README.md"), read("docs", "dpo.md")
+    quoted = re.search(r"gained \*\*([-\d.]+) points with GRPO\*\*,\s+([-\d.]+) with RLOO, ([-\d.]+) with REINFORCE\+\+"
+                       r".*?\*\*([-\d.]+) with online DPO\*\*.*?([-\d.]+) with RM \+ PPO, ([-\d.]+) with\s+offline DPO"
+                       r".*?\*\*([-\d.]+) with online DPO judged", readme, re.DOTALL)
+    assert quoted, "the README's syllabus sentence moved: update this test"
+    methods = ["grpo", "rloo", "reinforce_pp", "dpo_online_rule", "rm_ppo", "dpo_offline", "dpo_online_rm"]
+    assert [float(g) for g in quoted.groups()] == [number(table_row(page, m)[5]) for m in methods]

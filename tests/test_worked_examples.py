@@ -20,3 +20,13 @@ def test_the_tables_say_what_the_hand_computation_says():
     clip = text[text.index("When the clip removes"):]
     assert clip.count("**no gradient**") == 2  # A > 0 above the band, A < 0 below it
 
+
+
+def test_the_estimator_and_dpo_tables_say_what_the_hand_computation_says():
+    """RLOO's 4/3 x (r - mean) with no std; DPO's weight beta sigmoid(-beta h) at h = 2, beta 0.1."""
+    import math
+
+    text = worked_examples.render()
+    assert "+1.333" in text and "-2.000" in text  # 4/3 x 1 and 4/3 x -1.5
+    weight = 0.1 / (1 + math.exp(0.1 * 2))
+    assert f"+{weight:.4f}" in text and f"+{math.log1p(math.exp(-0.2)):.4f}" in text
