@@ -108,7 +108,7 @@ class Config:
     learning_rate: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out for the default)")
     """peak learning rate of AdamW; unset: 5e-5 with --online, 5e-6 offline. Measured from out/sft: online at
     5e-5 gained 14 points held-out sampled in 50 steps; offline at 5e-5 collapsed (greedy accuracy 94 -> 50 by
-    step 50, logps/chosen falling with logps/rejected), at 5e-6 it kept its chosen log-probs and gained 2 points"""
+    step 50, logps/chosen falling with logps/rejected), at 5e-6 it kept its chosen log-probs (docs/dpo.md)"""
     warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
     min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
