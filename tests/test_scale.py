@@ -187,6 +187,7 @@ def fsdp_runs(sft_checkpoint, rm_short, tmp_path_factory):
         runs += [[*args, "--output_dir", ddp], [*args, "--output_dir", fsdp, "--fsdp", "true"]]
         folders.append((ddp, fsdp))
     (tmp / "runs.json").write_text(json.dumps(runs))
+    # split at the markers: [what came before run 0, run 0 (DDP of FSDP_RUNS[0]), run 1 (its FSDP), run 2, ...]
     printed = torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp / "runs.json")).stdout.split("=== run ")
     return [(ddp, fsdp, printed[2 * i + 2]) for i, (ddp, fsdp) in enumerate(folders)]
 
