@@ -160,35 +160,77 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
                      share_prompts: bool = True):
     """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0)."""
+    labels = input_ids[:, -T:]  # [n, T]: the completion tokens
     with autocast(model):
         # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
         # One pass over prompt + completion without it, with gradient checkpointing, and under --fsdp,
         # where every process must run the same passes (each pass gathers weights from all of them).
-        if (not share_prompts or model.is_activation_checkpointing or distributed.is_sharded(model)
+        if (not share_prompts or checkpointing(model) or distributed.is_sharded(model)
                 or not prompts_repeat(input_ids[:, :-T])):
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                           position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits[:, :-1]  # [b, T, V]
+                           position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
+            pieces = [(logits, labels)]
         else:  # the last prompt position predicts the first completion token; the completion the rest
-            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [b, 1, V]
-            completion_logits = model(input_ids=input_ids[:, -T:], attention_mask=attention_mask,
+            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [n, 1, V]
+            completion_logits = model(input_ids=labels, attention_mask=attention_mask,
                                       position_ids=position_ids(attention_mask)[:, -T:], **{CACHE: cache}).logits
-            logits = torch.cat([last_prompt_logits, completion_logits[:, :-1]], dim=1)  # [b, T, V]
-    logits = logits / temperature
-    logprobs = gather_logprobs(logits, input_ids[:, -T:])
+            # Speed: the two pieces are scored apart, not joined into one [n, T, V] copy; the last
+            # completion position predicts nothing we score
+            pieces = [(last_prompt_logits, labels[:, :1]), (completion_logits[:, :-1], labels[:, 1:])]
+    if temperature != 1.0:  # Speed: no [n, T, V] copy (and none in the backward) at the default temperature 1
+        pieces = [(logits / temperature, piece_labels) for logits, piece_labels in pieces]
+    logprobs = torch.cat([gather_logprobs(logits, piece_labels) for logits, piece_labels in pieces], dim=1)
     if not with_entropy:
         return logprobs, 0.0
     with torch.no_grad():
-        log_p = torch.log_softmax(logits.float(), dim=-1)
-        entropy = -(log_p.exp() * log_p).sum(dim=-1)  # [n, T]
+        entropy = torch.cat([entropy_of(logits) for logits, _ in pieces], dim=1)  # [n, T]
     return logprobs, entropy
 
 
-def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] per position: logits [N, T, V], labels [N, T] -> [N, T].
+def entropy_of(logits: torch.Tensor) -> torch.Tensor:
+    """The policy's entropy at each position, -sum_v p(v) log p(v): logits [n, T, V] -> [n, T]."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
 
-    Written as logit[label] - logsumexp(logits) so no [N, T, V] log-softmax is kept."""
-    logits = logits.float()
-    return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] per position: logits [N, T, V], labels [N, T] -> [N, T], in float32.
+
+    Written as logit[label] - logsumexp(logits), so no [N, T, V] log-softmax is kept; plainly
+        logits.float().gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(logits.float(), dim=-1)
+    Speed: LabelLogprob computes exactly that (tests/test_math.py), a chunk of rows at a time,
+    with a hand-written backward."""
+    return LabelLogprob.apply(logits, labels)
+
+
+class LabelLogprob(torch.autograd.Function):
+    """logit[label] - logsumexp(logits) over the last dimension, and its gradient
+
+        d logprob / d logits = onehot(label) - softmax(logits)
+
+    written into one [N, T, V] buffer. Speed: autograd's chain for the plain expression makes five
+    [N, T, V] tensors in the backward (logits - lse, its exp, that times the gradient, the gather's
+    zeros, their sum); and with bf16 logits (autocast on a GPU) the plain .float() is a whole float32
+    copy, where here a chunk of rows is converted at a time (at most CHUNK elements)."""
+    CHUNK = 2**26  # float32 elements per chunk: 256 MB
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        rows = max(1, LabelLogprob.CHUNK // max(1, logits.shape[1:].numel()))  # rows per chunk
+        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(rows)])  # [N, T]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.rows = rows
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - lse
+
+    @staticmethod
+    def backward(ctx, grad):  # grad [N, T]: d loss / d logprob
+        logits, labels, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)  # [N, T, V]
+        for start in range(0, len(logits), ctx.rows):
+            rows, g = slice(start, start + ctx.rows), grad[start:start + ctx.rows].unsqueeze(-1)  # g [n, T, 1]
+            part = (logits[rows].float() - lse[rows].unsqueeze(-1)).exp_().mul_(-g)  # -g * softmax  [n, T, V]
+            grad_logits[rows] = part.scatter_add_(-1, labels[rows].unsqueeze(-1), g)  # + g at the label
+        return grad_logits, None
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -248,6 +290,12 @@ def pad_right(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     ids = pad_sequence([torch.tensor(s) for s in sequences], batch_first=True, padding_value=pad_id)
     mask = pad_sequence([torch.ones(len(s), dtype=torch.long) for s in sequences], batch_first=True)
     return ids, mask
+
+
+def checkpointing(model) -> bool:
+    """Is gradient checkpointing on? (transformers' name for it from 5.24 on, and the older one before)"""
+    on = getattr(model, "is_activation_checkpointing", None)
+    return model.is_gradient_checkpointing if on is None else on
 
 
 def autocast(model):

@@ -1,6 +1,7 @@
 """Hand-computed values and gradients for every contract function (sft, grpo, common)."""
 import math
 
+import pytest
 import torch
 
 import rollout
@@ -21,6 +22,35 @@ def test_gather_logprobs_matches_log_softmax():
     logits, labels = torch.randn(3, 5, 7), torch.randint(0, 7, (3, 5))
     reference = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     assert_close(rollout.gather_logprobs(logits, labels), reference, terms=10)  # logsumexps of 7 terms
+
+
+def plain_label_logprobs(logits, labels):
+    """gather_logprobs' plain expression, autograd's own backward."""
+    return logits.float().gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [rollout.LabelLogprob.CHUNK, 5 * 11])  # one chunk; one row of [5, 11] at a time
+def test_gather_logprobs_equals_its_plain_expression_and_gradient(dtype, chunk, monkeypatch):
+    """LabelLogprob (the speed-up behind gather_logprobs) computes the plain expression's float32
+    operations in the same order, for each chunk of rows: values and gradients equal to the bit,
+    whatever the chunk size. With bf16 logits (autocast on a GPU) the gradient is the float32 one
+    rounded once to bf16 (autograd's plain chain rounds its two terms to bf16, then adds them)."""
+    monkeypatch.setattr(rollout.LabelLogprob, "CHUNK", chunk)
+    torch.manual_seed(0)
+    logits, labels = (4 * torch.randn(3, 5, 11)).to(dtype), torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5)  # d loss / d logprob
+    results = []
+    for function, leaf_dtype in ((plain_label_logprobs, torch.float32), (rollout.gather_logprobs, dtype)):
+        leaf = logits.to(leaf_dtype).requires_grad_(True)
+        logprobs = function(leaf, labels)
+        (logprobs * weights).sum().backward()
+        results.append((logprobs.detach(), leaf.grad))
+    (plain, plain_grad), (fast, fast_grad) = results
+    assert fast.dtype == torch.float32 and torch.equal(fast, plain)
+    assert fast_grad.dtype == dtype and torch.equal(fast_grad, plain_grad.to(dtype))
+    if dtype == torch.float32:  # the gradient is (onehot(label) - softmax) x weight: it sums to 0 at each position
+        assert_close(fast_grad.sum(-1), torch.zeros(3, 5), terms=11, scale=weights.abs().max().item())
 
 
 def test_mask_after_eos_keeps_first_eos_only():
