@@ -109,6 +109,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that need no trained checkpoint first, then those that need the SFT model, then the
+    reward model (a stable sort: file order within each). With -n 2 the first worker to reach a
+    checkpoint test trains it while the other still has tests to run, rather than both waiting on
+    built_once's lock at the start."""
+    items.sort(key=lambda item: ("sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames))
+
+
 def built_once(tmp_path_factory, name: str, build) -> str:
     """A folder that build(folder) fills, made once per test session: with -n 2 the first worker
     to ask builds it (the other waits on a lock) and both read it."""

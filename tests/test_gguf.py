@@ -24,8 +24,8 @@ import reward_model
 import sft
 from floats import assert_close, tolerance
 
-# the real model: loading it alone takes ~13 s; with `-n 2`, all on one worker, which loads it once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gguf")]
+# the real model: loading it takes ~13 s, once per module (and per worker of `-n 2` that runs these tests)
+pytestmark = pytest.mark.slow
 
 COMPLETION = "<think>12+5=17</think><answer>17</answer>"
 

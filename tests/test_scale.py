@@ -12,7 +12,7 @@ import common
 import distributed
 import rollout
 import grpo
-from conftest import ROOT, assert_same_run, read_metrics, run, run_main
+from conftest import ROOT, assert_same_run, built_once, read_metrics, run, run_main
 from floats import assert_close, forward_terms, tolerance
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
@@ -173,39 +173,34 @@ FSDP_RUNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fsdp_runs(sft_checkpoint, rm_short, tmp_path_factory):
-    """Each of FSDP_RUNS twice, with data parallelism and with --fsdp, all in one torchrun of 2 processes.
-    Speed: one start-up instead of 14 (importing torch and transformers is most of a 3-step run), the
-    same runs as 14 torchruns; returns, per run, (the DDP folder, the FSDP folder, what the FSDP run printed)."""
-    tmp = tmp_path_factory.mktemp("fsdp")
-    runs, folders = [], []
+@pytest.mark.slow
+def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path):
+    """Every script under torchrun with --fsdp (FSDP_RUNS): the same metrics and weights as the same
+    two-process run with data parallelism (which the test above and test_torchrun_* tie to one
+    process on the whole batch), to float32 rounding; the start-up memory table divides the sharded
+    rows by 2. Speed: the 14 runs share one torchrun (tests/helpers/run_mains.py), one start-up
+    instead of 14 (importing torch and transformers is most of a 3-step run); one test, so that one
+    worker of `-n 2` runs them while the other runs other tests."""
+    runs = []
     for i, (script, args) in enumerate(FSDP_RUNS):
         args = [script.removesuffix(".py"), "--model", sft_checkpoint, *args, *FSDP_SHORT,
-                *(["--reward_model", rm_short] if script == "ppo.py" else [])]
-        ddp, fsdp = str(tmp / f"{i}_ddp"), str(tmp / f"{i}_fsdp")
-        runs += [[*args, "--output_dir", ddp], [*args, "--output_dir", fsdp, "--fsdp", "true"]]
-        folders.append((ddp, fsdp))
-    (tmp / "runs.json").write_text(json.dumps(runs))
+                *(["--reward_model", rm_lora] if script == "ppo.py" else [])]
+        runs += [[*args, "--output_dir", str(tmp_path / f"{i}_ddp")],
+                 [*args, "--output_dir", str(tmp_path / f"{i}_fsdp"), "--fsdp", "true"]]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
     # split at the markers: [what came before run 0, run 0 (DDP of FSDP_RUNS[0]), run 1 (its FSDP), run 2, ...]
-    printed = torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp / "runs.json")).stdout.split("=== run ")
-    return [(ddp, fsdp, printed[2 * i + 2]) for i, (ddp, fsdp) in enumerate(folders)]
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("fsdp")  # with `-n 2`: these tests on one worker, so the fixture runs once
-@pytest.mark.parametrize("index", range(len(FSDP_RUNS)),
-                         ids=[s + (" LoRA" * ("--lora_r" in a)) for s, a in FSDP_RUNS])
-def test_fsdp_trains_as_data_parallelism_does(fsdp_runs, sft_checkpoint, index):
-    """Every script under torchrun with --fsdp: the same metrics and weights as the same two-process
-    run with data parallelism (which the test above and test_torchrun_* tie to one process on the
-    whole batch), to float32 rounding; the start-up memory table divides the sharded rows by 2."""
-    ddp, fsdp, printed = fsdp_runs[index]
-    assert "/ 2 (sharded)" in printed
+    printed = torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp_path / "runs.json")).stdout.split("=== run ")
     config = common.load_model(sft_checkpoint)[0].config
-    # the longest sums: a forward pass, then a gradient entry over the global batch's tokens
-    # (2 processes x at most 16 rows x at most 100 tokens of prompt and completion)
-    _same_up_to_rounding(fsdp, ddp, terms=forward_terms(config) + 2 * 16 * 100)
+    for i, (script, args) in enumerate(FSDP_RUNS):
+        name = script + " LoRA" * ("--lora_r" in args)
+        assert "/ 2 (sharded)" in printed[2 * i + 2], name
+        # the longest sums: a forward pass, then a gradient entry over the global batch's tokens
+        # (2 processes x at most 16 rows x at most 100 tokens of prompt and completion)
+        try:
+            _same_up_to_rounding(str(tmp_path / f"{i}_fsdp"), str(tmp_path / f"{i}_ddp"),
+                                 terms=forward_terms(config) + 2 * 16 * 100)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from error
 
 
 def test_memory_estimate_divides_what_fsdp_shards():
@@ -297,25 +292,25 @@ def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model
     assert torch.equal(ref[real], base_logprobs[real])  # B = 0 adds exactly 0.0 to every base output
 
 
-@pytest.fixture(scope="module")
-def rm_short(sft_checkpoint, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("rm_lora"))
-    run_main("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "3", "--lora_r", "8",
-        "--policy_prompts", "16", "--samples_per_prompt", "2", "--num_eval_examples", "32", "--eval_steps", "3")
-    return out
+@pytest.fixture(scope="session")
+def rm_lora(sft_checkpoint, tmp_path_factory):
+    """A 3-step LoRA reward model, built once per session (built_once)."""
+    return built_once(tmp_path_factory, "rm_lora", lambda out: run_main(
+        "reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "3", "--lora_r", "8",
+        "--policy_prompts", "16", "--samples_per_prompt", "2", "--num_eval_examples", "32", "--eval_steps", "3"))
 
 
 @pytest.mark.slow
-def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_short, tmp_path):
+def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_lora, tmp_path):
     """--lora_r 8 on every script; a LoRA run saves its adapter, and the next script loads it merged."""
     short = ["--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1", "--lora_r", "8"]
     sft_out = str(tmp_path / "sft")
     run_main("sft.py", "--model", sft_checkpoint, "--output_dir", sft_out, "--max_steps", "3", *short)
     assert os.path.isfile(os.path.join(sft_out, "adapter_model.safetensors"))
     assert not os.path.isfile(os.path.join(sft_out, "model.safetensors"))
-    assert os.path.isfile(os.path.join(rm_short, "adapter_model.safetensors"))
+    assert os.path.isfile(os.path.join(rm_lora, "adapter_model.safetensors"))
     rl = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4"]
-    ppo_short = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--reward_model", rm_short]
+    ppo_short = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--reward_model", rm_lora]
     for script, extra in (("grpo.py", rl), ("mix.py", rl), ("ppo.py", ppo_short)):
         out = str(tmp_path / script)
         # starts from the LoRA SFT adapter
