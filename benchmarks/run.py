@@ -35,6 +35,7 @@ RUNS = {  # name: (script, completions generated per step at its default config)
     "mix.py": ("mix.py", 96),  # 12 prompts x 8 samples (+ 32 expert rows, not generated)
     "TRL GRPOTrainer": ("benchmarks/trl_grpo.py", 128),  # grpo.py's settings
 }
+BASELINE = " (baseline)"  # with --baseline: the same script of another checkout
 
 
 def child(script, args, result_file):
@@ -48,10 +49,13 @@ def child(script, args, result_file):
         json.dump({"peak_rss_mb": peak_kb / 1024}, f)
 
 
-def run(name, steps, workdir, extra=()):
+def run(name, steps, workdir, extra=(), baseline=None):
     """One short training run of `name` in its own process: its step times, completion lengths, peak RSS, wall time.
-    extra: grpo.py settings that grpo.py and TRL's run both take (--model, batch, lengths, ...)."""
-    script, _ = RUNS[name]
+    extra: grpo.py settings that grpo.py and TRL's run both take (--model, batch, lengths, ...). A name ending in
+    BASELINE runs that script of the checkout `baseline` instead (its own benchmarks/run.py starts it), on this
+    checkout's files (out/sft, data/)."""
+    repo = baseline if name.endswith(BASELINE) else ROOT
+    script, _ = RUNS[name.removesuffix(BASELINE)]
     out, result_file = os.path.join(workdir, name.split()[0].replace(".py", "")), os.path.join(workdir, "rss.json")
     if script.startswith("benchmarks/"):
         args = ["--max_steps", str(steps), "--output_dir", out, "--result", os.path.join(workdir, "trl.json"), *extra]
@@ -60,8 +64,9 @@ def run(name, steps, workdir, extra=()):
                 "--num_eval_examples", "8", "--eval_steps", str(steps),
                 "--save_steps", str(steps), *(["--eval_on_start", "false", *extra] if extra else [])]
     start = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--child", script, result_file, *args], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # in this checkout's folder (its out/sft, data/), the script and modules of `repo` (its run.py's child())
+    subprocess.run([sys.executable, os.path.join(repo, "benchmarks", "run.py"), "--child", script, result_file, *args],
+                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     measured = {"wall_s": time.perf_counter() - start, **json.load(open(result_file))}
     if script.startswith("benchmarks/"):
         trl = json.load(open(os.path.join(workdir, "trl.json")))
@@ -76,7 +81,7 @@ def run(name, steps, workdir, extra=()):
 def summary(name, runs, per_step=None):
     """Medians over every measured step of every round of one script (per_step: completions per step)."""
     every = {key: [x for r in runs for x in r[key]] for key in runs[0] if isinstance(runs[0][key], list)}
-    seconds, per_step = statistics.median(every["step"]), per_step or RUNS[name][1]
+    seconds, per_step = statistics.median(every["step"]), per_step or RUNS[name.removesuffix(BASELINE)][1]
     return {
         "name": name,
         "step_s": seconds,
@@ -122,6 +127,9 @@ def main():
     parser.add_argument("--figure", default="docs/compare.png", help="with --chain: where the accuracy figure goes")
     parser.add_argument("--output", default=None,
                         help="the table as JSON (default out/bench/results.json or chain.json)")
+    parser.add_argument("--baseline", default=None,
+                        help="also time the scripts (not TRL) of another checkout, e.g. the commit before a speed-up "
+                             "(git worktree add /tmp/before <commit>), in the same rounds: rows '<script> (baseline)'")
     parser.add_argument("--model", default=None, help="compare grpo.py and TRL on this model (a folder or a .gguf) "
                                                       "instead of out/sft; grpo.py settings may follow `--`")
     args, extra = parser.parse_known_args()
@@ -158,14 +166,16 @@ def main():
                         "MIX=out/mix", "--pipeline", "--title", "held-out accuracy, default runs, seed 0",
                         "--output", args.figure], cwd=ROOT, check=True)
         return
-    runs = {name: [] for name in args.only}
+    names = [name + suffix for name in args.only for suffix in
+             ("", *([BASELINE] if args.baseline and not name.startswith("TRL") else []))]
+    runs = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as workdir:
         for round in range(args.rounds):  # rounds interleave the scripts, so a slow spell of the machine hits all
-            for name in args.only:
-                runs[name].append(run(name, args.steps, workdir, extra))
+            for name in names:
+                runs[name].append(run(name, args.steps, workdir, extra, args.baseline))
                 print(f"  round {round + 1}, {name}: median {statistics.median(runs[name][-1]['step']):.2f} s/step "
                       f"({runs[name][-1]['wall_s']:.0f} s)", flush=True)
-    results = [summary(name, runs[name], per_step) for name in args.only]
+    results = [summary(name, runs[name], per_step) for name in names]
 
     dash = lambda r, key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
     print(
@@ -180,9 +190,19 @@ def main():
             f"| {r['completions_per_s']:.3g} | {r['tokens_per_s']:.0f} | {r['peak_rss_mb']:.0f} |"
         )
     by_name = {r["name"]: r for r in results}
+
+    def speed_ratio(fast, slow):  # the same work: seconds per step of `slow` over those of `fast`, all and per round
+        rounds = [statistics.median(b["step"]) / statistics.median(a["step"]) for a, b in zip(runs[fast], runs[slow])]
+        print(f"{fast} / {slow}, completions/s at the same configuration: "
+              f"{by_name[slow]['step_s'] / by_name[fast]['step_s']:.2f}x (medians of all rounds; round by round "
+              + ", ".join(f"{r:.2f}x" for r in rounds) + ")")
+
+    print()
     if "grpo.py" in by_name and "TRL GRPOTrainer" in by_name:
-        ratio = by_name["grpo.py"]["completions_per_s"] / by_name["TRL GRPOTrainer"]["completions_per_s"]
-        print(f"\ngrpo.py / TRL GRPOTrainer, completions/s at the same configuration: {ratio:.2f}x")
+        speed_ratio("grpo.py", "TRL GRPOTrainer")
+    for name in args.only:
+        if name + BASELINE in by_name:
+            speed_ratio(name, name + BASELINE)
     with open(args.output or os.path.join(ROOT, "out/bench/results.json"), "w") as f:
         json.dump(results, f, indent=1)
 
