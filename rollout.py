@@ -15,6 +15,8 @@ step with a switch that turns it off (tests/test_rollout.py checks that each cha
                        drop_finished   a row that wrote EOS leaves the batch and the KV cache
   completion_logprobs  length_chunks   rows sorted by length, each chunk cut to its longest completion
                        share_prompts   as in generate: the prompt once, then only the completions
+  gather_logprobs      LabelLogprob    its gradient written into one [N, T, V] buffer (no switch:
+                                       tests/test_math.py checks it against the plain expression, to the bit)
 With share_prompts=False, drop_finished=False, length_chunks=1 they are the textbook loop and the
 one forward pass (tiny-grpo's). We keep one copy of this file rather than one per script: the
 speed-ups would otherwise be copied four times, and a script's call names what it gets back.

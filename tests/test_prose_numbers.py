@@ -36,7 +36,9 @@ def test_readme_step_time_is_the_speed_tables_grpo_row():
                        r"([\d.]+) s backward", readme)
     assert quoted, "the README's GRPO step-time sentence moved: update this test"
     assert [float(x) for x in quoted.groups()] == [step, generation, forward, rest]
-    assert generation + forward + rest == pytest.approx(step, abs=0.015)  # the table's own rounding to 0.01
+    # each column is a median over the steps: the parts' medians need not add up to the step's median,
+    # but they come from the same steps, so they cannot stray far (the table rounds each to 0.01)
+    assert generation + forward + rest == pytest.approx(step, rel=0.05)
 
 
 def test_readme_speed_ratio_is_the_speed_pages():
