@@ -171,7 +171,7 @@ def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: floa
                 or not prompts_repeat(input_ids[:, :-T])):
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
-            pieces = [(logits, labels)]
+            pieces = [(logits, labels)]  # (logits [n, t, V], the labels they predict [n, t]), the t adding up to T
         else:  # the last prompt position predicts the first completion token; the completion the rest
             cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [n, 1, V]
             completion_logits = model(input_ids=labels, attention_mask=attention_mask,
@@ -217,19 +217,23 @@ class LabelLogprob(torch.autograd.Function):
     CHUNK = 2**26  # float32 elements per chunk: 256 MB
 
     @staticmethod
-    def forward(ctx, logits, labels):
-        rows = max(1, LabelLogprob.CHUNK // max(1, logits.shape[1:].numel()))  # rows per chunk
-        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in logits.split(rows)])  # [N, T]
+    def rows_per_chunk(logits) -> int:
+        return max(1, LabelLogprob.CHUNK // max(1, logits.shape[1:].numel()))
+
+    @staticmethod
+    def forward(ctx, logits, labels):  # logits [N, T, V], labels [N, T] -> logprobs [N, T]
+        chunks = logits.split(LabelLogprob.rows_per_chunk(logits))
+        lse = torch.cat([torch.logsumexp(part.float(), dim=-1) for part in chunks])  # [N, T]
         ctx.save_for_backward(logits, labels, lse)
-        ctx.rows = rows
         return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float() - lse
 
     @staticmethod
     def backward(ctx, grad):  # grad [N, T]: d loss / d logprob
         logits, labels, lse = ctx.saved_tensors
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)  # [N, T, V]
-        for start in range(0, len(logits), ctx.rows):
-            rows, g = slice(start, start + ctx.rows), grad[start:start + ctx.rows].unsqueeze(-1)  # g [n, T, 1]
+        n = LabelLogprob.rows_per_chunk(logits)
+        for start in range(0, len(logits), n):
+            rows, g = slice(start, start + n), grad[start:start + n].unsqueeze(-1)  # g [n, T, 1]
             part = (logits[rows].float() - lse[rows].unsqueeze(-1)).exp_().mul_(-g)  # -g * softmax  [n, T, V]
             grad_logits[rows] = part.scatter_add_(-1, labels[rows].unsqueeze(-1), g)  # + g at the label
         return grad_logits, None
