@@ -97,3 +97,26 @@ def test_readme_syllabus_gains_are_the_dpo_pages_table():
     assert quoted, "the README's syllabus sentence moved: update this test"
     methods = ["grpo", "rloo", "reinforce_pp", "dpo_online_rule", "rm_ppo", "dpo_offline", "dpo_online_rm"]
     assert [float(g) for g in quoted.groups()] == [number(table_row(page, m)[5]) for m in methods]
+
+
+def test_real_models_smollm2_table_is_the_committed_runs():
+    """docs/real_models.md's table of SmolLM2 runs (benchmarks/smollm2.sh and the runs that chose its
+    settings) quotes, for every run folder under docs/smollm2_runs/, what its metrics.jsonl files say:
+    the held-out sampled accuracy at each GRPO evaluation, the gain over GRPO's step-0 evaluation (the SFT
+    model), greedy accuracy at the start and the end, and the runs' clocks (time/elapsed) in minutes."""
+    page, runs = read("docs", "real_models.md"), os.path.join(ROOT, "docs", "smollm2_runs")
+    names = sorted(os.listdir(runs))
+    assert len([name for name in names if name.startswith("seed")]) >= 3, "the chain's figures need 3 seeds"
+    for name in names:
+        evals = {}
+        for stage in ("sft", "grpo"):
+            with open(os.path.join(runs, name, stage, "metrics.jsonl"), encoding="utf-8") as f:
+                evals[stage] = [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
+        sampled = [100 * row["eval/accuracy_sampled"] for row in evals["grpo"]]
+        greedy = [100 * row["eval/accuracy_greedy"] for row in evals["grpo"]]
+        minutes = [row["time/elapsed"] / 60 for row in (evals["sft"][-1], evals["grpo"][-1])]
+        cells = table_row(page, f"`{name}`")
+        assert cells[3] == " → ".join(f"{a:.1f}" for a in sampled), name
+        assert cells[4] == f"**{sampled[-1] - sampled[0]:+.1f}**", name
+        assert cells[5] == f"{greedy[0]:.1f} → {greedy[-1]:.1f}", name
+        assert cells[6] == f"{minutes[0]:.1f} + {minutes[1]:.1f}", name
