@@ -13,11 +13,12 @@ Each function first does the plain thing, then has speed-ups that compute the sa
 step with a switch that turns it off (tests/test_rollout.py checks that each changes nothing):
   generate             share_prompts   each distinct prompt runs once (GRPO's G rows share it)
                        drop_finished   a row that wrote EOS leaves the batch and the KV cache
+                       grow_in_place   the KV cache has room for every new token (no copy of it per token)
   completion_logprobs  length_chunks   rows sorted by length, each chunk cut to its longest completion
                        share_prompts   as in generate: the prompt once, then only the completions
   gather_logprobs      LabelLogprob    its gradient written into one [N, T, V] buffer (no switch:
                                        tests/test_math.py checks it against the plain expression, to the bit)
-With share_prompts=False, drop_finished=False, length_chunks=1 they are the textbook loop and the
+With share_prompts=False, drop_finished=False, grow_in_place=False, length_chunks=1 they are the textbook loop and the
 one forward pass (tiny-grpo's). We keep one copy of this file rather than one per script: the
 speed-ups would otherwise be copied four times, and a script's call names what it gets back.
 
@@ -32,6 +33,7 @@ import time
 import torch
 import transformers
 from torch.nn.utils.rnn import pad_sequence
+from transformers.cache_utils import DynamicLayer
 
 import distributed
 
@@ -61,7 +63,7 @@ def timed(part: str):
 @timed("generation")
 @torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False,
-             share_prompts=True, drop_finished=True):
+             share_prompts=True, drop_finished=True, grow_in_place=True):
     """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
 
     At each step: logits of the last position -> sample a token from softmax(logits / temperature)
@@ -87,6 +89,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             cache, logits = getattr(out, CACHE), out.logits  # logits [N, 1, V]
         else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
             cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [N, 1, V]
+        if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
+            cache.layers = [GrowingLayer(layer.keys, layer.values, room=max_new_tokens) for layer in cache.layers]
         rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [N]
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
@@ -274,6 +278,33 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     cache = getattr(out, CACHE)
     cache.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [N, heads, P, head_dim]
     return cache, out.logits[row_to_prompt]
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer of the KV cache with room for `room` more positions: keys and values [b, heads, L, head_dim]
+    are views of buffers [b, heads, L + room, head_dim], and a new token's are written at position L.
+    Speed: transformers' DynamicLayer concatenates instead, copying the whole cache of every layer at
+    every token (10% of a SmolLM2 rollout); the views hold the same values, so attention computes the
+    same (tests/test_rollout.py: the same tokens as with concatenation)."""
+
+    def __init__(self, keys, values, room: int):
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        length = keys.shape[-2]
+        self.key_room, self.value_room = (torch.cat([x, x.new_empty(*x.shape[:2], room, x.shape[3])], dim=2)
+                                          for x in (keys, values))  # [b, heads, L + room, head_dim]
+        self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
+
+    def update(self, key_states, value_states, *args, **kwargs):  # the new positions' [b, heads, t, head_dim]
+        start, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        self.key_room[:, :, start:end], self.value_room[:, :, start:end] = key_states, value_states
+        self.keys, self.values = self.key_room[:, :, :end], self.value_room[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):  # drop_finished: keep these rows
+        length = self.keys.shape[-2]
+        self.key_room, self.value_room = self.key_room[indices], self.value_room[indices]
+        self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
 
 
 def prompts_repeat(prompt_ids) -> bool:

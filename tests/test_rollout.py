@@ -89,15 +89,16 @@ def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
             assert_close(a, b, terms=forward_terms(model.config) + input_ids.numel())
 
 
-SPEED_UPS = [dict(share_prompts=True, drop_finished=True), dict(share_prompts=False, drop_finished=True),
-             dict(share_prompts=True, drop_finished=False), dict(share_prompts=False, drop_finished=False)]
+ALL_ON = dict(share_prompts=True, drop_finished=True, grow_in_place=True)
+SPEED_UPS = ([ALL_ON] + [{**ALL_ON, name: False} for name in ALL_ON]
+             + [dict.fromkeys(ALL_ON, False)])  # all, each off, none
 
 
 @pytest.mark.parametrize("speed_ups", SPEED_UPS, ids=lambda s: "+".join(k for k, on in s.items() if on) or "plain")
 def test_generate_greedy_equals_hf_generate(sft_checkpoint, speed_ups):
     """Our rollout loop decodes exactly what transformers' generate does, greedy, with repeated and
     unique prompts of different lengths: the plain loop, and with each speed-up (the prompt cache,
-    rows leaving the batch at EOS) on or off.
+    rows leaving the batch at EOS, the KV cache written in place) on or off.
     Both compute the same logits in another order, so a near-tie (top two logits closer than
     float32 rounding) may break either way: a row is compared up to its first near-tie."""
     from transformers import GenerationConfig
@@ -123,6 +124,39 @@ def test_generate_greedy_equals_hf_generate(sft_checkpoint, speed_ups):
     assert compared.float().mean() > 0.9, "too many near-ties for the check to mean anything"
     lengths = completion_mask.sum(1)
     assert lengths.min() < lengths.max()  # rows stopped at different steps (the batch shrank, with drop_finished)
+
+
+def test_growing_cache_gives_the_same_logits_as_concatenation(saved_tiny):
+    """rollout.GrowingLayer writes each token's keys and values into room kept for them where
+    transformers' DynamicLayer concatenates: the attention reads the same values, so the logits are
+    the same to the bit, token after token, also after rows leave the batch (drop_finished)."""
+    _, _, model = saved_tiny
+    torch.manual_seed(0)
+    prompt_ids = torch.randint(0, 256, (4, 7))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :3] = 0  # a left-padded prompt
+    caches = []
+    with torch.no_grad():
+        for grow in (False, True):
+            out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
+                        position_ids=rollout.position_ids(prompt_mask))
+            cache = getattr(out, rollout.CACHE)
+            if grow:
+                cache.layers = [rollout.GrowingLayer(layer.keys, layer.values, room=6) for layer in cache.layers]
+            caches.append(cache)
+        rows, mask, positions = torch.arange(4), prompt_mask, prompt_mask.sum(1) - 1
+        for t in range(6):
+            if t == 3:  # rows 1 and 2 leave the batch
+                rows, mask, positions = rows[[0, 3]], mask[[0, 3]], positions[[0, 3]]
+                for cache in caches:
+                    cache.batch_select_indices(torch.tensor([0, 3]))
+            mask, positions = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1), positions + 1
+            tokens = torch.randint(0, 256, (len(rows), 1))
+            step = [model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], use_cache=True,
+                          **{rollout.CACHE: cache}).logits for cache in caches]
+            assert torch.equal(step[0], step[1]), f"token {t}"
+    assert caches[1].get_seq_length() == 7 + 6
+    assert caches[1].layers[0].key_room.shape[2] == 7 + 6  # it never grew past the room it was given
 
 
 def test_length_chunks_change_nothing_but_the_padding(saved_tiny):
