@@ -90,9 +90,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
             cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [N, 1, V]
         if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
-            cache.layers = [GrowingLayer(layer.keys, layer.values, room=max_new_tokens)
-                            if type(layer) is DynamicLayer else layer  # (not a sliding window's layer)
-                            for layer in cache.layers]
+            make_room(cache, max_new_tokens)
         rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [N]
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
@@ -280,6 +278,13 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     cache = getattr(out, CACHE)
     cache.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [N, heads, P, head_dim]
     return cache, out.logits[row_to_prompt]
+
+
+def make_room(cache, room: int):
+    """Give every plain layer of the KV cache room for `room` more positions (GrowingLayer, in place);
+    a layer of another kind, such as a sliding window's, is left as it is."""
+    cache.layers = [GrowingLayer(layer.keys, layer.values, room) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
 
 
 class GrowingLayer(DynamicLayer):

@@ -142,7 +142,7 @@ def test_growing_cache_gives_the_same_logits_as_concatenation(saved_tiny):
                         position_ids=rollout.position_ids(prompt_mask))
             cache = getattr(out, rollout.CACHE)
             if grow:
-                cache.layers = [rollout.GrowingLayer(layer.keys, layer.values, room=6) for layer in cache.layers]
+                rollout.make_room(cache, 6)
             caches.append(cache)
         rows, mask, positions = torch.arange(4), prompt_mask, prompt_mask.sum(1) - 1
         for t in range(6):
@@ -155,6 +155,7 @@ def test_growing_cache_gives_the_same_logits_as_concatenation(saved_tiny):
             step = [model(input_ids=tokens, attention_mask=mask, position_ids=positions[:, None], use_cache=True,
                           **{rollout.CACHE: cache}).logits for cache in caches]
             assert torch.equal(step[0], step[1]), f"token {t}"
+    assert all(isinstance(layer, rollout.GrowingLayer) for layer in caches[1].layers)
     assert caches[1].get_seq_length() == 7 + 6
     assert caches[1].layers[0].key_room.shape[2] == 7 + 6  # it never grew past the room it was given
 
