@@ -21,6 +21,7 @@ import re
 import sys
 import textwrap
 import types
+import warnings
 
 import numpy as np
 import torch
@@ -286,7 +287,9 @@ def add_lora(model, cfg, scalar_head: bool = False):
     config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
                         task_type="SEQ_CLS" if scalar_head else "CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' old name for it, which warns from 5.24 on
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, config)
 
 
 @contextlib.contextmanager

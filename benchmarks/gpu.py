@@ -122,7 +122,7 @@ def datasets_stand_in() -> types.ModuleType:
 
 def import_repo():
     """(common, rollout), with the repo on sys.path and, where `datasets` is missing, its stand-in."""
-    if importlib.util.find_spec("datasets") is None and "datasets" not in sys.modules:
+    if "datasets" not in sys.modules and importlib.util.find_spec("datasets") is None:  # (the stand-in has no spec)
         sys.modules["datasets"] = datasets_stand_in()
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)

@@ -110,3 +110,27 @@ def test_datasets_stand_in_gives_what_datasets_gives(monkeypatch):
         assert stand_train[[9, 1, 4]] == train[[9, 1, 4]]
         assert stand_train.select(range(3)).to_list() == train.select(range(3)).to_list()
         assert list(stand_test) == list(test) and stand_train.select([]).to_list() == []
+
+
+def test_gpu_track_imports_the_repo_again_once_the_stand_in_is_in_place(monkeypatch):
+    """Parts (a), (b) and (c) each call import_repo; after the first has put the stand-in in
+    sys.modules (it has no __spec__, which importlib.util.find_spec refuses), the next must not fail."""
+    monkeypatch.setitem(sys.modules, "datasets", gpu.datasets_stand_in())
+    imported_common, _ = gpu.import_repo()
+    assert imported_common is common and sys.modules["datasets"].__doc__.startswith("benchmarks/gpu.py's stand-in")
+
+
+def test_lora_adds_two_matrix_products_a_scale_and_an_add_per_layer_and_token():
+    """benchmarks/lora_ops.py's count, which docs/scaling.md uses to explain LoRA's slower rollout on
+    the H100: per decoded token, each of the 168 adapted linear layers runs x A^T and (.)B^T, a
+    scaling by alpha / r and the add to the base layer's output, on top of the base model's own."""
+    spec = importlib.util.spec_from_file_location("lora_ops", os.path.join(ROOT, "benchmarks", "lora_ops.py"))
+    lora_ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lora_ops)
+    full = lora_ops.model_of_qwen_layout()
+    lora = common.add_lora(lora_ops.model_of_qwen_layout(), lora_ops.Lora)
+    ops_full, ops_lora = lora_ops.one_token(full, bf16=False), lora_ops.one_token(lora, bf16=False)
+    layers = 24 * 7  # q, k, v, o, gate, up, down
+    assert ops_lora["mm"] - ops_full["mm"] == 2 * layers
+    assert ops_lora["mul"] - ops_full["mul"] == layers and ops_lora["add"] - ops_full["add"] == layers
+    assert sum(ops_lora.values()) > 1.5 * sum(ops_full.values())

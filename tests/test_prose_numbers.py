@@ -5,6 +5,7 @@ table's 0.32 + 0.26 + 0.25 once did)."""
 import json
 import os
 import re
+import statistics
 
 import pytest
 
@@ -120,3 +121,42 @@ def test_real_models_smollm2_table_is_the_committed_runs():
         assert cells[4] == f"**{sampled[-1] - sampled[0]:+.1f}**", name
         assert cells[5] == f"{greedy[0]:.1f} → {greedy[-1]:.1f}", name
         assert cells[6] == f"{minutes[0]:.1f} + {minutes[1]:.1f}", name
+
+
+GPU_RUN = os.path.join("docs", "gpu_runs", "h100-2026-11-25")
+
+
+def gpu_chain_cells(call: str, stage: str) -> list[str]:
+    """What docs/scaling.md's table of the tiny chain on the H100 says of one run, from its committed
+    metrics.jsonl: steps done, the median seconds per step (step 1, the warm-up, left out, as
+    benchmarks/gpu.py reads it), and each held-out evaluation's accuracies (greedy, sampled)."""
+    with open(os.path.join(ROOT, GPU_RUN, call, "chain", stage, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    seconds = sorted(row["time/step"] for row in rows if "time/step" in row and row["step"] > 1)
+    evals = [row for row in rows if "eval/accuracy_greedy" in row or "eval/pairwise_accuracy" in row]
+    if stage == "rm":
+        scores = [f"{100 * evals[-1]['eval/pairwise_accuracy']:.1f}% of shipped pairs, "
+                  f"{100 * evals[-1]['eval/policy_pairwise_accuracy']:.1f}% of policy pairs", ""]
+    else:
+        scores = [" → ".join(f"{100 * row[f'eval/accuracy_{kind}']:.1f}" for row in evals)
+                  for kind in ("greedy", "sampled")]
+    return [str(rows[-1]["step"]), f"{statistics.median(seconds):.3f} s", *scores]
+
+
+def test_scaling_gpu_figures_are_the_committed_h100_run():
+    """docs/scaling.md quotes benchmarks/gpu.py's H100 run as the script printed it (part (b)'s table and
+    precision line, from the committed gpu.json) and the tiny chain's runs from their metrics.jsonl."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmark_gpu", os.path.join(ROOT, "benchmarks", "gpu.py"))
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    page = read("docs", "scaling.md")
+    run = json.loads(read(GPU_RUN, "call1", "gpu.json"))
+    assert gpu.settings_table(run["b"]["runs"]) in page
+    assert gpu.show_precision(run["b"]["precision"]) in page
+    for call, stage, first_cell in [
+            ("call1", "sft", "`sft.py` (call 1)"), ("call1", "grpo", "`grpo.py` (call 1"),
+            ("call2", "sft", "`sft.py` (call 2)"), ("call2", "grpo", "`grpo.py --max_steps 40`"),
+            ("call2", "rm", "`reward_model.py --max_steps 300`"), ("call2", "ppo", "`ppo.py --max_steps 40`")]:
+        assert table_row(page, first_cell)[1:5] == gpu_chain_cells(call, stage), first_cell

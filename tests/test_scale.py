@@ -423,3 +423,15 @@ def test_sft_reward_model_ppo_read_rm_static_files(sft_checkpoint, tmp_path):
     with open(os.path.join(out, "eval.json")) as f:
         scores = json.load(f)
     assert "score" in scores and "accuracy_sampled" not in scores  # no answers to check: the RM's held-out score
+
+
+def test_adding_lora_warns_of_nothing():
+    """peft's get_peft_model reads transformers' deprecated name for gradient checkpointing; a student
+    adding --lora_r should not see a FutureWarning they cannot act on (add_lora silences that one)."""
+    import warnings
+
+    tokenizer = common.build_tokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        model = common.add_lora(common.build_tiny_model(tokenizer), LoraConfig())
+    assert any("lora_A" in name for name, _ in model.named_parameters())
