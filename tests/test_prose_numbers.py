@@ -160,3 +160,12 @@ def test_scaling_gpu_figures_are_the_committed_h100_run():
             ("call2", "sft", "`sft.py` (call 2)"), ("call2", "grpo", "`grpo.py --max_steps 40`"),
             ("call2", "rm", "`reward_model.py --max_steps 300`"), ("call2", "ppo", "`ppo.py --max_steps 40`")]:
         assert table_row(page, first_cell)[1:5] == gpu_chain_cells(call, stage), first_cell
+    # the prose on the tiny GRPO step's spread in call 1 (and call 2's median over the same steps)
+    steps = {call: [json.loads(line) for line in read(GPU_RUN, call, "chain", "grpo", "metrics.jsonl").splitlines()]
+             for call in ("call1", "call2")}
+    seconds = lambda call, first, last: [r["time/step"] for r in steps[call] if first <= r["step"] <= last]  # noqa: E731
+    every = seconds("call1", 1, 200)
+    assert (f"{min(every):.2f} to {max(every):.2f} s a step in call 1; its median over steps 2-40 was "
+            f"{statistics.median(seconds('call1', 2, 40)):.2f} s, over steps 41-109 "
+            f"{statistics.median(seconds('call1', 41, 109)):.2f} s") in " ".join(page.split())
+    assert f"{statistics.median(seconds('call2', 2, 40)):.2f} s over steps 2-40" in page
