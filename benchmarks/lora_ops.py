@@ -18,9 +18,11 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 import common  # noqa: E402
 import rollout  # noqa: E402
+from gpu import QWEN25_05B  # noqa: E402  (the GPU track's model: Qwen2.5-0.5B's config)
 
 
 class CountOps(TorchDispatchMode):
@@ -36,10 +38,10 @@ class CountOps(TorchDispatchMode):
 
 
 def model_of_qwen_layout():
+    """QWEN25_05B with its widths shrunk (896 -> 112, still 14 heads; MLP 4864 -> 128; vocabulary -> 300)."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=112, intermediate_size=128, num_hidden_layers=24,
-                                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-    return transformers.LlamaForCausalLM(config)
+    shapes = dict(QWEN25_05B, vocab_size=300, hidden_size=112, intermediate_size=128)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shapes))
 
 
 class Lora:  # the scripts' LoRA settings (common.add_lora reads these names)
@@ -58,7 +60,7 @@ def one_token(model, bf16: bool, rows: int = 64, prompt_length: int = 30) -> col
 
 def main():
     full, lora = model_of_qwen_layout(), common.add_lora(model_of_qwen_layout(), Lora)
-    layers = sum(isinstance(m, torch.nn.Linear) and "lora" not in name for name, m in full.named_modules()) - 1
+    layers = sum(isinstance(m, torch.nn.Linear) for m in full.modules()) - 1  # all but the LM head
     print(f"one decoded token, 64 rows, {layers} adapted linear layers (the LM head is not adapted)")
     for bf16 in (False, True):
         ops_full, ops_lora = one_token(full, bf16), one_token(lora, bf16)
