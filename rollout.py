@@ -15,7 +15,7 @@ step with a switch that turns it off (tests/test_rollout.py checks that each cha
                        drop_finished   a row that wrote EOS leaves the batch and the KV cache
                        grow_in_place   the KV cache has room for every new token (no copy of it per token)
   completion_logprobs  length_chunks   rows sorted by length, each chunk cut to its longest completion
-                       share_prompts   as in generate: the prompt once, then only the completions
+                       share_prompts   as in generate: each prompt once for all the chunks, then only the completions
   gather_logprobs      LabelLogprob    its gradient written into one [N, T, V] buffer (no switch:
                                        tests/test_math.py checks it against the plain expression, to the bit)
 With share_prompts=False, drop_finished=False, grow_in_place=False, length_chunks=1 they are the textbook loop and the
@@ -26,6 +26,7 @@ The time spent in each (time/generation, time/forward of metrics.jsonl) is count
 """
 import collections
 import contextlib
+import copy
 import functools
 import inspect
 import time
@@ -145,9 +146,17 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
     """
     T = num_completion_tokens
+    # Speed: rows that share a prompt (GRPO's groups) run it once, for every chunk below, then only
+    # their completions. One pass over prompt + completion without it, with gradient checkpointing,
+    # and under --fsdp, where every process must run the same passes (each gathers weights from all).
+    shared = None
+    if (share_prompts and not checkpointing(model) and not distributed.is_sharded(model)
+            and prompts_repeat(input_ids[:, :-T])):
+        with autocast(model):
+            shared = distinct_prompts(model, input_ids[:, :-T], attention_mask[:, :-T])
     if length_chunks == 1:  # one pass over the batch as it is
         logprobs, entropy = forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy,
-                                             share_prompts)
+                                             rows_of(shared, slice(None)) if shared else None)
         return (logprobs, entropy) if with_entropy else logprobs
     positions = torch.arange(1, T + 1, device=input_ids.device)
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [N]: where each row's completion ends
@@ -159,25 +168,23 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
         logprobs[rows, :t], entropy[rows, :t] = forward_logprobs(  # [b, t] each; gradients flow into logprobs
-            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy, share_prompts)
+            model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy,
+            rows_of(shared, rows) if shared else None)
     return (logprobs, entropy) if with_entropy else logprobs
 
 
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
-                     share_prompts: bool = True):
-    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0)."""
+                     prompt=None):
+    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0). prompt: None,
+    or the rows' prompts already run (rows_of: their KV cache, and the logits of their last position)."""
     labels = input_ids[:, -T:]  # [n, T]: the completion tokens
     with autocast(model):
-        # Speed: rows that share a prompt (GRPO's groups) run it once, then only their completions.
-        # One pass over prompt + completion without it, with gradient checkpointing, and under --fsdp,
-        # where every process must run the same passes (each pass gathers weights from all of them).
-        if (not share_prompts or checkpointing(model) or distributed.is_sharded(model)
-                or not prompts_repeat(input_ids[:, :-T])):
+        if prompt is None:
             logits = model(input_ids=input_ids, attention_mask=attention_mask,
                            position_ids=position_ids(attention_mask), logits_to_keep=T + 1).logits[:, :-1]  # [n, T, V]
             pieces = [(logits, labels)]  # (logits [n, t, V], the labels they predict [n, t]), the t adding up to T
         else:  # the last prompt position predicts the first completion token; the completion the rest
-            cache, last_prompt_logits = prompt_cache(model, input_ids[:, :-T], attention_mask[:, :-T])  # [n, 1, V]
+            cache, last_prompt_logits = prompt  # [n, 1, V]
             completion_logits = model(input_ids=labels, attention_mask=attention_mask,
                                       position_ids=position_ids(attention_mask)[:, -T:], **{CACHE: cache}).logits
             # Speed: the two pieces are scored apart, not joined into one [n, T, V] copy; the last
@@ -269,15 +276,31 @@ def prompt_cache(model, prompt_ids, prompt_mask):
     every log-prob pass, with the same results (gradients flow back through the copies).
     Returns (the cache, one entry per row; the logits of each row's last prompt position [N, 1, V]).
     """
+    return rows_of(distinct_prompts(model, prompt_ids, prompt_mask), slice(None))
+
+
+def distinct_prompts(model, prompt_ids, prompt_mask):
+    """Each distinct prompt run once: (its KV cache, U entries; the logits of its last position [U, 1, V];
+    row_to_prompt [N], the entry of each row)."""
     distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [N]
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
     mask = prompt_mask[first_row]  # [U, P]
     out = model(input_ids=prompt_ids[first_row], attention_mask=mask, position_ids=position_ids(mask),
                 use_cache=True, logits_to_keep=1)
-    cache = getattr(out, CACHE)
-    cache.reorder_cache(row_to_prompt)  # entry u -> each row whose prompt is u: [N, heads, P, head_dim]
-    return cache, out.logits[row_to_prompt]
+    return getattr(out, CACHE), out.logits, row_to_prompt
+
+
+def rows_of(prompts, rows):
+    """From distinct_prompts' output, the given rows' own copy of their prompts' KV cache
+    [n, heads, P, head_dim] per layer, and their last prompt position's logits [n, 1, V]. The distinct
+    cache is left as it was, so several chunks of rows can each take theirs from it."""
+    cache, logits, row_to_prompt = prompts
+    entry = row_to_prompt[rows]  # [n]
+    rows_cache = copy.copy(cache)
+    rows_cache.layers = [copy.copy(layer) for layer in cache.layers]
+    rows_cache.reorder_cache(entry)  # each layer's keys and values indexed anew: entry u -> each row whose prompt is u
+    return rows_cache, logits[entry]
 
 
 def make_room(cache, room: int):

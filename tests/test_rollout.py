@@ -55,9 +55,10 @@ def test_generate_masks_after_first_eos(saved_tiny, drop_finished):
     assert (completion_ids[completion_mask == 0] == tokenizer.pad_token_id).all()
 
 
-def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
-    """Rows that share a prompt (GRPO's groups) run it once (rollout.prompt_cache): the log-probs
-    and the gradients are those of one plain forward pass over every row."""
+@pytest.mark.parametrize("length_chunks", [1, 2, 3])
+def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny, length_chunks):
+    """Rows that share a prompt (GRPO's groups) run it once (rollout.distinct_prompts), once for all
+    the length chunks: the log-probs and the gradients are those of one plain forward pass over every row."""
     path, tokenizer, _ = saved_tiny
     model, tokenizer = common.load_model(str(path))
     prompts = [common.make_prompt(tokenizer, q) for q in ("1+2=", "47+85+1000=", "9-3=") for _ in range(3)]
@@ -73,7 +74,8 @@ def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
     def logprobs_and_grads(shared):
         model.zero_grad()
         if shared is not None:  # completion_logprobs with the prompt cache on or off (its plain pass)
-            logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, 5, share_prompts=shared)
+            logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, 5, share_prompts=shared,
+                                                   length_chunks=length_chunks)
         else:  # the plain pass, by hand
             position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
@@ -81,7 +83,17 @@ def test_prompt_sharing_gives_the_same_logprobs_and_gradients(saved_tiny):
         (logprobs * completion_mask).sum().backward()
         return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
 
+    widths = []  # the width of each forward pass's input_ids
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
     by_hand, by_hand_grads = logprobs_and_grads(None)
+    widths.clear()
+    got, _ = logprobs_and_grads(True)
+    hook.remove()
+    # the 3 distinct prompts in one pass, then each chunk's completions only (at most 5 tokens)
+    assert widths[0] == (3, prompt_ids.shape[1]) and len(widths) == 1 + length_chunks
+    assert sorted(rows for rows, _ in widths[1:]) == sorted(len(c) for c in torch.arange(9).chunk(length_chunks))
+    assert all(width <= 5 for _, width in widths[1:])
     for shared in (True, False):
         got, got_grads = logprobs_and_grads(shared)
         assert_close(got * completion_mask, by_hand * completion_mask, terms=forward_terms(model.config))
