@@ -16,7 +16,7 @@ import sft
 
 OUT = os.environ.get("RLHF_NOTEBOOKS_OUT", "out/notebooks")
 
-# 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets ~45% of the sums,
+# 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets ~55% of the sums,
 # so RL groups hold both right and wrong answers. (The README's full run is 700 steps.)
 SFT_CONFIG = sft.Config(max_steps=300, eval_steps=300, num_eval_examples=64, output_dir=f"{OUT}/sft")
 # A short reward model on the shipped pairs plus pairs from the SFT policy's samples on 64 prompts.
