@@ -89,7 +89,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
                         use_cache=True, logits_to_keep=1)
             cache, logits = getattr(out, CACHE), out.logits  # logits [N, 1, V]
         else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
-            cache, logits = prompt_cache(model, prompt_ids, prompt_mask)  # logits [N, 1, V]
+            cache, logits = rows_of(distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
         if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
             make_room(cache, max_new_tokens)
         rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
@@ -153,10 +153,10 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     if (share_prompts and not checkpointing(model) and not distributed.is_sharded(model)
             and prompts_repeat(input_ids[:, :-T])):
         with autocast(model):
-            shared = distinct_prompts(model, input_ids[:, :-T], attention_mask[:, :-T])
+            shared = distinct_prompts(model, input_ids[:, :-T], attention_mask[:, :-T])  # (cache, [U, 1, V], [N])
     if length_chunks == 1:  # one pass over the batch as it is
         logprobs, entropy = forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy,
-                                             rows_of(shared, slice(None)) if shared else None)
+                                             rows_of(shared) if shared else None)
         return (logprobs, entropy) if with_entropy else logprobs
     positions = torch.arange(1, T + 1, device=input_ids.device)
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [N]: where each row's completion ends
@@ -268,20 +268,15 @@ def last_hidden_states(model, input_ids, attention_mask):
 # ---------------------------------------------------------------------------------------------
 # The prompt cache (the speed-up share_prompts), the batch layout, precision
 # ---------------------------------------------------------------------------------------------
-def prompt_cache(model, prompt_ids, prompt_mask):
-    """Run each distinct prompt once and hand every row its prompt's keys and values (a KV cache).
+def distinct_prompts(model, prompt_ids, prompt_mask):
+    """Run each distinct prompt once; rows_of then hands every row its prompt's keys and values.
 
     GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
     each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
     every log-prob pass, with the same results (gradients flow back through the copies).
-    Returns (the cache, one entry per row; the logits of each row's last prompt position [N, 1, V]).
+    Returns (the KV cache of the U distinct prompts; the logits of their last position [U, 1, V];
+    row_to_prompt [N], each row's entry).
     """
-    return rows_of(distinct_prompts(model, prompt_ids, prompt_mask), slice(None))
-
-
-def distinct_prompts(model, prompt_ids, prompt_mask):
-    """Each distinct prompt run once: (its KV cache, U entries; the logits of its last position [U, 1, V];
-    row_to_prompt [N], the entry of each row)."""
     distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [N]
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
@@ -291,8 +286,8 @@ def distinct_prompts(model, prompt_ids, prompt_mask):
     return getattr(out, CACHE), out.logits, row_to_prompt
 
 
-def rows_of(prompts, rows):
-    """From distinct_prompts' output, the given rows' own copy of their prompts' KV cache
+def rows_of(prompts, rows=slice(None)):
+    """From distinct_prompts' output, the given rows' (default: all) own copy of their prompts' KV cache
     [n, heads, P, head_dim] per layer, and their last prompt position's logits [n, 1, V]. The distinct
     cache is left as it was, so several chunks of rows can each take theirs from it."""
     cache, logits, row_to_prompt = prompts
@@ -338,7 +333,7 @@ class GrowingLayer(DynamicLayer):
 
 
 def prompts_repeat(prompt_ids) -> bool:
-    """True if some rows share a prompt (then prompt_cache saves work)."""
+    """True if some rows share a prompt (then distinct_prompts saves work)."""
     return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
 
 
