@@ -92,6 +92,16 @@ def solve(a: int, op: str, b: int, careless=False, wrong_column=None) -> tuple[s
     return f"{a}<{b} so -({b}-{a})\n" + "\n".join(steps), result if careless else -result
 
 
+def problem_kind(a: int, op: str, b: int) -> str:
+    """Which slip of the careless teacher a problem leaves room for: 'carry' or 'no carry' (a sum
+    that carries, so that forgetting it changes the result, or not), 'negative' (a < b: the minus
+    sign), 'borrow' or 'no borrow' (a difference a >= b that borrows, or not)."""
+    if op == "-" and a < b:
+        return "negative"
+    slips = solve(a, op, b, careless=True)[1] != solve(a, op, b)[1]
+    return ("" if slips else "no ") + ("carry" if op == "+" else "borrow")
+
+
 def make_row(a: int, op: str, b: int, careless=False) -> dict:
     reasoning, result = solve(a, op, b, careless)
     return {"question": f"What is {a} {op} {b}?", "answer": f"{reasoning}\n#### {result}"}

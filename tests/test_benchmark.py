@@ -1,5 +1,6 @@
 """benchmarks/run.py's arithmetic: medians over every round's steps, completions/s and tokens/s."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -151,3 +152,24 @@ def test_gpu_track_saves_after_every_run_and_checks_precision_right_after_sft(mo
     assert saved == [(1, False), (2, True), (3, True), (4, True)]
     assert [run["script"] for run in figures["runs"]] == ["sft.py", "grpo.py", "reward_model.py", "ppo.py"]
     assert figures["precision"] == {"skipped": "test"}
+
+
+def test_accuracy_by_kind_splits_the_training_scripts_evaluation(sft_checkpoint):
+    """benchmarks/by_kind.py runs common.evaluate on each kind's problems: the kinds partition the held-out
+    problems, and the greedy answers they get right add up to the SFT run's own last evaluation of all
+    of them (greedy does not depend on the other rows of a batch beyond float rounding: here, not at all)."""
+    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
+    by_kind = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(by_kind)
+    assert [by_kind.kind_of(q) for q in ("What is 47 + 85?", "What is 28 - 75?", "What is 93 - 42?")] == \
+        ["carry", "negative", "no borrow"]
+    model, tokenizer = common.load_model(sft_checkpoint)
+    _, test = common.load_splits("data/arithmetic", num_eval_examples=64)
+    result = by_kind.accuracy_by_kind(model, tokenizer, test, max_new_tokens=64, seed=0)
+    kinds = [k for k in result if k != "all"]
+    assert kinds == by_kind.KINDS and sum(result[k]["n"] for k in kinds) == result["all"]["n"] == 64
+    with open(os.path.join(sft_checkpoint, "metrics.jsonl"), encoding="utf-8") as f:
+        last_eval = [row for row in map(json.loads, f) if "eval/accuracy_greedy" in row][-1]
+    correct = sum(round(result[k]["accuracy_greedy"] * result[k]["n"]) for k in kinds)
+    assert correct == round(64 * last_eval["eval/accuracy_greedy"]) and 0 < correct < 64
+    assert "| carry | 11 |" in by_kind.table({"SFT": result})

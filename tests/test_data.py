@@ -12,7 +12,7 @@ import grpo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "data"))
-from make_data import make_pair, solve  # noqa: E402
+from make_data import make_pair, problem_kind, solve  # noqa: E402
 
 
 def parse(question: str) -> tuple[int, str, int]:
@@ -50,6 +50,18 @@ def test_worked_reasoning_hand_written(a, op, b, reasoning, result):
 ])
 def test_careless_teacher_forgets_the_first_carry_or_borrow_and_the_sign(a, op, b, reasoning, result):
     assert solve(a, op, b, careless=True) == (reasoning, result)
+
+
+@pytest.mark.parametrize("a, op, b, kind", [
+    (47, "+", 85, "carry"), (43, "+", 26, "no carry"), (72, "+", 85, "no carry"),  # 7+8=15 is the last column
+    (75, "-", 28, "borrow"), (93, "-", 42, "no borrow"), (50, "-", 50, "no borrow"),
+    (28, "-", 75, "negative"), (12, "-", 13, "negative"), (195, "+", 8, "carry"), (100, "-", 1, "borrow"),
+])
+def test_problem_kind_is_the_slip_the_problem_leaves_room_for(a, op, b, kind):
+    assert problem_kind(a, op, b) == kind
+    # a carry or a borrow is exactly what the careless teacher's slip changes the result of
+    if kind != "negative":
+        assert (solve(a, op, b, careless=True) != solve(a, op, b)) == (kind in ("carry", "borrow"))
 
 
 def test_shipped_data_schema_splits_and_truth():

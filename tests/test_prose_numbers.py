@@ -123,6 +123,32 @@ def test_real_models_smollm2_table_is_the_committed_runs():
         assert cells[6] == f"{minutes[0]:.1f} + {minutes[1]:.1f}", name
 
 
+def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is_committed():
+    """docs/real_models.md explains the SmolLM2 plateau by the kinds of the 64 held-out problems: how many
+    leave room for no slip of the teacher (problem_kind), their share, and that share as the greedy
+    accuracy at which the three seeds' GRPO runs end; its table by kind is benchmarks/by_kind.py's table
+    of the committed docs/smollm2_by_kind.json."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
+    by_kind = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(by_kind)
+    page = " ".join(read("docs", "real_models.md").split())
+    assert by_kind.table(json.loads(read("docs", "smollm2_by_kind.json"))) in read("docs", "real_models.md")
+    with open(os.path.join(ROOT, "data", "arithmetic", "test.jsonl"), encoding="utf-8") as f:
+        kinds = [by_kind.kind_of(json.loads(line)["question"]) for line in f][:64]
+    easy, sums, differences = (sum(k in which for k in kinds) for which in
+                               (("no carry", "no borrow"), ("no carry",), ("no borrow",)))
+    share = f"{100 * easy / 64:.1f}"
+    assert (f"{easy} leave room for no slip ({sums} sums without a carry, {differences} differences without a "
+            f"borrow): {easy} of 64 is {share}%") in page
+    for seed in range(3):
+        metrics = os.path.join(ROOT, "docs", "smollm2_runs", f"seed{seed}", "grpo", "metrics.jsonl")
+        with open(metrics, encoding="utf-8") as f:
+            last = [row for row in map(json.loads, f) if "eval/accuracy_greedy" in row][-1]
+        assert f"{100 * last['eval/accuracy_greedy']:.1f}" == share
+
+
 GPU_RUN = os.path.join("docs", "gpu_runs", "h100-2026-11-25")
 
 
