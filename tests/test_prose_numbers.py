@@ -110,12 +110,13 @@ def test_real_models_smollm2_table_is_the_committed_runs():
     assert len([name for name in names if name.startswith("seed")]) >= 3, "the chain's figures need 3 seeds"
     for name in names:
         evals = {}
-        for stage in ("sft", "grpo"):
+        rl = "mix" if os.path.isdir(os.path.join(runs, name, "mix")) else "grpo"  # the RL run: GRPO's, or MIX's
+        for stage in ("sft", rl):
             with open(os.path.join(runs, name, stage, "metrics.jsonl"), encoding="utf-8") as f:
                 evals[stage] = [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
-        sampled = [100 * row["eval/accuracy_sampled"] for row in evals["grpo"]]
-        greedy = [100 * row["eval/accuracy_greedy"] for row in evals["grpo"]]
-        minutes = [row["time/elapsed"] / 60 for row in (evals["sft"][-1], evals["grpo"][-1])]
+        sampled = [100 * row["eval/accuracy_sampled"] for row in evals[rl]]
+        greedy = [100 * row["eval/accuracy_greedy"] for row in evals[rl]]
+        minutes = [row["time/elapsed"] / 60 for row in (evals["sft"][-1], evals[rl][-1])]
         cells = table_row(page, f"`{name}`")
         assert cells[3] == " → ".join(f"{a:.1f}" for a in sampled), name
         assert cells[4] == f"**{sampled[-1] - sampled[0]:+.1f}**", name
