@@ -124,6 +124,25 @@ def test_real_models_smollm2_table_is_the_committed_runs():
         assert cells[6] == f"{minutes[0]:.1f} + {minutes[1]:.1f}", name
 
 
+def test_readme_by_kind_table_and_its_figures_are_the_committed_run():
+    """The README's accuracy by kind of problem is benchmarks/by_kind.py's table of the committed
+    docs/by_kind.json; the sentence after it quotes its carry row and the teacher's carelessness."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
+    by_kind = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(by_kind)
+    run, readme = json.loads(read("docs", "by_kind.json")), read("README.md")
+    assert by_kind.table(run) in readme
+    careless = re.search(r'"--careless", type=float, default=([\d.]+)', read("data", "make_data.py")).group(1)
+    sft, grpo = run["SFT"]["carry"], run["GRPO"]["carry"]
+    quoted = " ".join(readme.split())
+    assert (f"forgets the first carry in {100 * float(careless):.0f}% of its demonstrations" in quoted and
+            f"right ({100 * sft['accuracy_greedy']:.1f}%), but its samples are right "
+            f"{100 * sft['accuracy_sampled']:.1f}% of the time, near the teacher's {100 - 100 * float(careless):.0f}%;"
+            f" GRPO, rewarded for the right number, takes them to {100 * grpo['accuracy_sampled']:.1f}%") in quoted
+
+
 def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is_committed():
     """docs/real_models.md explains the SmolLM2 plateau by the kinds of the 64 held-out problems: how many
     leave room for no slip of the teacher (problem_kind), their share, and that share as the greedy
