@@ -23,7 +23,10 @@ KINDS = ["no carry", "carry", "no borrow", "borrow", "negative"]
 
 
 def kind_of(question: str) -> str:
+    """The kind of a shipped question, 'What is 47 + 85?' -> 'carry'; ValueError for any other question."""
     a, op, b = question.removeprefix("What is ").removesuffix("?").split()
+    if op not in "+-" or not (a.isdigit() and b.isdigit()):
+        raise ValueError(question)
     return problem_kind(int(a), op, int(b))
 
 
@@ -71,6 +74,11 @@ def main():
     if len(set(labels)) < len(labels):
         sys.exit(f"each model needs a label of its own: {', '.join(labels)}")
     _, test = common.load_splits(args.dataset, num_eval_examples=args.num_eval_examples)
+    for question in test["question"]:
+        try:
+            kind_of(question)
+        except ValueError:
+            sys.exit(f"by_kind.py reads problems like 'What is 47 + 85?'; {args.dataset} has {question!r}")
     results = {}
     for label, path in (m.split("=", 1) for m in args.models):
         model, tokenizer = common.load_model(path)

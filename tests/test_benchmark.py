@@ -154,15 +154,28 @@ def test_gpu_track_saves_after_every_run_and_checks_precision_right_after_sft(mo
     assert figures["precision"] == {"skipped": "test"}
 
 
+def load_by_kind():
+    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
+    by_kind = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(by_kind)
+    return by_kind
+
+
+def test_by_kind_reads_the_shipped_questions_and_refuses_others():
+    by_kind = load_by_kind()
+    assert [by_kind.kind_of(q) for q in ("What is 47 + 85?", "What is 28 - 75?", "What is 93 - 42?")] == \
+        ["carry", "negative", "no borrow"]
+    for question in ("What is 4 * 5?", "Natalia sold clips to 48 of her friends. How many?", "What is x + 1?"):
+        with pytest.raises(ValueError):
+            by_kind.kind_of(question)
+
+
+@pytest.mark.slow  # the SFT run it evaluates takes about a minute
 def test_accuracy_by_kind_splits_the_training_scripts_evaluation(sft_checkpoint):
     """benchmarks/by_kind.py runs common.evaluate on each kind's problems: the kinds partition the held-out
     problems, and the greedy answers they get right add up to the SFT run's own last evaluation of all
     of them (greedy does not depend on the other rows of a batch beyond float rounding: here, not at all)."""
-    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
-    by_kind = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(by_kind)
-    assert [by_kind.kind_of(q) for q in ("What is 47 + 85?", "What is 28 - 75?", "What is 93 - 42?")] == \
-        ["carry", "negative", "no borrow"]
+    by_kind = load_by_kind()
     model, tokenizer = common.load_model(sft_checkpoint)
     _, test = common.load_splits("data/arithmetic", num_eval_examples=64)
     result = by_kind.accuracy_by_kind(model, tokenizer, test, max_new_tokens=64, seed=0)
