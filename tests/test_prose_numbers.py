@@ -124,6 +124,40 @@ def test_real_models_smollm2_table_is_the_committed_runs():
         assert cells[6] == f"{minutes[0]:.1f} + {minutes[1]:.1f}", name
 
 
+def test_real_models_three_seeds_paragraph_is_the_committed_runs():
+    """The paragraphs after docs/real_models.md's SmolLM2 table quote the script's three seeds (20 SFT
+    steps, folders seed0-seed2) and the 30-step chains they replaced (sft30-seed0-2), from their
+    metrics.jsonl: each GRPO gain and their mean, where GRPO starts and ends, and how far sampled and
+    greedy accuracy stand apart at the start and at the end over all six chains."""
+    def evals(name):
+        path = os.path.join(ROOT, "docs", "smollm2_runs", name, "grpo", "metrics.jsonl")
+        with open(path, encoding="utf-8") as f:
+            rows = [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
+        return [(100 * row["eval/accuracy_sampled"], 100 * row["eval/accuracy_greedy"]) for row in rows]
+
+    def span(values):
+        return f"{min(values):.1f}% to {max(values):.1f}%"
+
+    page = " ".join(read("docs", "real_models.md").split())
+    new, old = ([evals(f"{prefix}seed{seed}") for seed in range(3)] for prefix in ("", "sft30-"))
+    gains = [run[-1][0] - run[0][0] for run in new]
+    assert (f"After 20 SFT steps, GRPO adds {gains[0]:.1f}, {gains[1]:.1f} and {gains[2]:.1f} points of held-out "
+            f"sampled accuracy over its own step-0 evaluation of the SFT model on seeds 0, 1 and 2 (mean "
+            f"{sum(gains) / 3:.1f})") in page
+    assert (f"GRPO gained {', '.join(f'{run[-1][0] - run[0][0]:.1f}' for run in old[:2])} and "
+            f"{old[2][-1][0] - old[2][0][0]:.1f} (`sft30-seed0` to `-seed2`)") in page
+    assert (f"Twenty steps start GRPO lower ({span([run[0][0] for run in new])} sampled at its step 0, against "
+            f"{span([run[0][0] for run in old])}), and GRPO ends about where it ended from 30 "
+            f"({span([run[-1][0] for run in new])} sampled, against {span([run[-1][0] for run in old])}; greedy "
+            f"{new[0][-1][1]:.1f}% on seeds 0 and 1, as on all three 30-step chains, and {new[2][-1][1]:.1f}% "
+            f"on seed 2)") in page
+    assert new[0][-1][1] == new[1][-1][1] == old[0][-1][1] == old[1][-1][1] == old[2][-1][1]
+    end_gaps = [abs(run[-1][1] - run[-1][0]) for run in new + old]
+    start_gaps = [abs(run[0][1] - run[0][0]) for run in new + old]
+    assert (f"sampled and greedy end {min(end_gaps):.1f} to {max(end_gaps):.1f} points apart, from "
+            f"{min(start_gaps):.1f} to {max(start_gaps):.1f} apart at GRPO's step 0") in page
+
+
 def test_readme_by_kind_table_and_its_figures_are_the_committed_run():
     """The README's accuracy by kind of problem is benchmarks/by_kind.py's table of the committed
     docs/by_kind.json; the sentence after it quotes its carry row and the teacher's carelessness."""
@@ -146,8 +180,8 @@ def test_readme_by_kind_table_and_its_figures_are_the_committed_run():
 def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is_committed():
     """docs/real_models.md explains the SmolLM2 plateau by the kinds of the 64 held-out problems: how many
     leave room for no slip of the teacher (problem_kind), their share, and that share as the greedy
-    accuracy at which the three seeds' GRPO runs end; its table by kind is benchmarks/by_kind.py's table
-    of the committed docs/smollm2_by_kind.json."""
+    accuracy at which the GRPO runs from the three 30-step SFT models end; its table by kind is
+    benchmarks/by_kind.py's table of the committed docs/smollm2_by_kind.json."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
@@ -163,7 +197,7 @@ def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is
     assert (f"{easy} leave room for no slip ({sums} sums without a carry, {differences} differences without a "
             f"borrow): {easy} of 64 is {share}%") in page
     for seed in range(3):
-        metrics = os.path.join(ROOT, "docs", "smollm2_runs", f"seed{seed}", "grpo", "metrics.jsonl")
+        metrics = os.path.join(ROOT, "docs", "smollm2_runs", f"sft30-seed{seed}", "grpo", "metrics.jsonl")
         with open(metrics, encoding="utf-8") as f:
             last = [row for row in map(json.loads, f) if "eval/accuracy_greedy" in row][-1]
         assert f"{100 * last['eval/accuracy_greedy']:.1f}" == share
