@@ -129,7 +129,7 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     steps, folders seed0-seed2) and the 30-step chains they replaced (sft30-seed0-2), from their
     metrics.jsonl: each GRPO gain and their mean, where GRPO starts and ends, and how far sampled and
     greedy accuracy stand apart at the start and at the end over all six chains; and the two 120-step
-    chains' ends and gains, quoted as the best models."""
+    chains' ends and gains, quoted as the best models; the README's sentence on the three seeds."""
     def evals(name):
         path = os.path.join(ROOT, "docs", "smollm2_runs", name, "grpo", "metrics.jsonl")
         with open(path, encoding="utf-8") as f:
@@ -157,6 +157,9 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     start_gaps = [abs(run[0][1] - run[0][0]) for run in new + old]
     assert (f"sampled and greedy end {min(end_gaps):.1f} to {max(end_gaps):.1f} points apart, from "
             f"{min(start_gaps):.1f} to {max(start_gaps):.1f} apart at GRPO's step 0") in page
+    readme = " ".join(read("README.md").split())
+    assert (f"GRPO adds {gains[0]:.1f}, {gains[1]:.1f} and {gains[2]:.1f} points of held-out sampled accuracy on "
+            f"seeds 0, 1 and 2 (64 problems), ending at {span([run[-1][0] for run in new])};") in readme
     best = [evals(f"sft120-seed{seed}") for seed in range(2)]
     assert (f"120 SFT steps ({best[0][-1][0]:.1f}% and {best[1][-1][0]:.1f}% sampled after GRPO on seeds 0 and 1, "
             f"`sft120-seed0` and `-seed1`), most of it SFT's work (GRPO added {best[0][-1][0] - best[0][0][0]:+.1f} "
