@@ -1,5 +1,6 @@
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import logging
@@ -70,6 +71,14 @@ def run_main(script, *args):
     except SystemExit as stop:
         raise AssertionError(f"{script} {' '.join(args)} failed: {stop.code}\n{printed.getvalue()[-3000:]}") from None
     return types.SimpleNamespace(returncode=0, stdout=printed.getvalue(), stderr="")
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def z_gain(first: list[float], last: list[float]) -> float:

@@ -1,5 +1,4 @@
 """benchmarks/run.py's arithmetic: medians over every round's steps, completions/s and tokens/s."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,12 +8,10 @@ import types
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, load_benchmark
 import common  # conftest put the repo on sys.path
 
-spec = importlib.util.spec_from_file_location("benchmark_run", os.path.join(ROOT, "benchmarks", "run.py"))
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_benchmark("run")
 
 
 def test_summary_takes_medians_over_all_rounds():
@@ -41,9 +38,7 @@ def test_trl_row_has_no_split_and_mix_counts_only_generated_rows():
 
 
 # benchmarks/gpu.py, the GPU track: what runs without a GPU (its helpers, and its refusal to start)
-spec = importlib.util.spec_from_file_location("benchmark_gpu", os.path.join(ROOT, "benchmarks", "gpu.py"))
-gpu = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu)
+gpu = load_benchmark("gpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU, and the script would run")
@@ -126,9 +121,7 @@ def test_lora_adds_two_matrix_products_a_scale_and_an_add_per_layer_and_token():
     """benchmarks/lora_ops.py's count, which docs/scaling.md uses to explain LoRA's slower rollout on
     the H100: per decoded token, each of the 168 adapted linear layers runs x A^T and (.)B^T, a
     scaling by alpha / r and the add to the base layer's output, on top of the base model's own."""
-    spec = importlib.util.spec_from_file_location("lora_ops", os.path.join(ROOT, "benchmarks", "lora_ops.py"))
-    lora_ops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lora_ops)
+    lora_ops = load_benchmark("lora_ops")
     full = lora_ops.model_of_qwen_layout()
     lora = common.add_lora(lora_ops.model_of_qwen_layout(), lora_ops.Lora)
     ops_full, ops_lora = lora_ops.one_token(full, bf16=False), lora_ops.one_token(lora, bf16=False)
@@ -154,15 +147,8 @@ def test_gpu_track_saves_after_every_run_and_checks_precision_right_after_sft(mo
     assert figures["precision"] == {"skipped": "test"}
 
 
-def load_by_kind():
-    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
-    by_kind = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(by_kind)
-    return by_kind
-
-
 def test_by_kind_reads_the_shipped_questions_and_refuses_others():
-    by_kind = load_by_kind()
+    by_kind = load_benchmark("by_kind")
     assert [by_kind.kind_of(q) for q in ("What is 47 + 85?", "What is 28 - 75?", "What is 93 - 42?")] == \
         ["carry", "negative", "no borrow"]
     for question in ("What is 4 * 5?", "Natalia sold clips to 48 of her friends. How many?", "What is x + 1?"):
@@ -175,7 +161,7 @@ def test_accuracy_by_kind_splits_the_training_scripts_evaluation(sft_checkpoint)
     """benchmarks/by_kind.py runs common.evaluate on each kind's problems: the kinds partition the held-out
     problems, and the greedy answers they get right add up to the SFT run's own last evaluation of all
     of them (greedy does not depend on the other rows of a batch beyond float rounding: here, not at all)."""
-    by_kind = load_by_kind()
+    by_kind = load_benchmark("by_kind")
     model, tokenizer = common.load_model(sft_checkpoint)
     _, test = common.load_splits("data/arithmetic", num_eval_examples=64)
     result = by_kind.accuracy_by_kind(model, tokenizer, test, max_new_tokens=64, seed=0)

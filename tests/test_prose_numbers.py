@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, load_benchmark
 
 
 def read(*path) -> str:
@@ -170,11 +170,7 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
 def test_readme_by_kind_table_and_its_figures_are_the_committed_run():
     """The README's accuracy by kind of problem is benchmarks/by_kind.py's table of the committed
     docs/by_kind.json; the sentence after it quotes its carry row and the teacher's carelessness."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
-    by_kind = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(by_kind)
+    by_kind = load_benchmark("by_kind")
     run, readme = json.loads(read("docs", "by_kind.json")), read("README.md")
     assert by_kind.table(run) in readme
     careless = re.search(r'"--careless", type=float, default=([\d.]+)', read("data", "make_data.py")).group(1)
@@ -191,11 +187,7 @@ def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is
     leave room for no slip of the teacher (problem_kind), their share, and that share as the greedy
     accuracy at which the GRPO runs from the three 30-step SFT models end; its table by kind is
     benchmarks/by_kind.py's table of the committed docs/smollm2_by_kind.json."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("by_kind", os.path.join(ROOT, "benchmarks", "by_kind.py"))
-    by_kind = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(by_kind)
+    by_kind = load_benchmark("by_kind")
     page = " ".join(read("docs", "real_models.md").split())
     assert by_kind.table(json.loads(read("docs", "smollm2_by_kind.json"))) in read("docs", "real_models.md")
     with open(os.path.join(ROOT, "data", "arithmetic", "test.jsonl"), encoding="utf-8") as f:
@@ -235,11 +227,7 @@ def gpu_chain_cells(call: str, stage: str) -> list[str]:
 def test_scaling_gpu_figures_are_the_committed_h100_run():
     """docs/scaling.md quotes benchmarks/gpu.py's H100 run as the script printed it (part (b)'s table and
     precision line, from the committed gpu.json) and the tiny chain's runs from their metrics.jsonl."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("benchmark_gpu", os.path.join(ROOT, "benchmarks", "gpu.py"))
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    gpu = load_benchmark("gpu")
     page = read("docs", "scaling.md")
     run = json.loads(read(GPU_RUN, "call1", "gpu.json"))
     assert gpu.settings_table(run["b"]["runs"]) in page
