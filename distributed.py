@@ -13,6 +13,7 @@ returns its input. Under `torchrun --nproc_per_node N`:
 The scripts reach these through harness.Run (setup, the shared starting weights, sharding, the
 gradient average) and the rollout (gathered); the memory each layout needs is memory_estimate's.
 """
+import atexit
 import contextlib
 import os
 
@@ -31,7 +32,16 @@ def setup() -> tuple[int, int]:
         if torch.cuda.is_available():
             torch.cuda.set_device(get_device())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        atexit.register(leave_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def leave_group():
+    """At the process's exit, leave the process group while Python is still whole. Left to the
+    interpreter's own teardown, gloo's threads now and then aborted a run that had finished its
+    work (SIGABRT, "terminate called without an active exception"; docs/troubleshooting.md)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def get_device() -> torch.device:

@@ -76,6 +76,20 @@ def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
         assert json.load(f)["n"] == 1
 
 
+def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
+    """distributed.setup() registers leave_group at exit: the group is destroyed before the interpreter
+    tears gloo down (left to that teardown, gloo's threads aborted some finished --fsdp runs). atexit
+    runs its handlers last registered first, so a handler registered before setup() sees the end."""
+    script = tmp_path / "join_and_exit.py"
+    script.write_text(f"import atexit, sys\nsys.path.insert(0, {ROOT!r})\nimport torch.distributed as dist\n"
+                      "import distributed\n"
+                      "atexit.register(lambda: print('in a group at exit:', dist.is_initialized(), flush=True))\n"
+                      "print('rank, world size:', distributed.setup(), flush=True)\n")
+    printed = torchrun(str(script)).stdout
+    assert printed.count("in a group at exit: False") == 2 and "in a group at exit: True" not in printed, printed
+    assert "rank, world size: (1, 2)" in printed
+
+
 @pytest.mark.slow
 def test_torchrun_reward_model_with_one_held_out_pair(sft_checkpoint, tmp_path):
     """One held-out pair on two processes: rank 1's share is empty. It used to stop there alone (and
