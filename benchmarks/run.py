@@ -5,7 +5,7 @@ work through TRL's GRPOTrainer, one after the other on this machine. One command
     python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
     python benchmarks/run.py --chain               # the README's whole chain at full defaults (~20 min),
                                                    # then docs/compare.png: accuracy vs step and vs wall-clock
-    python benchmarks/run.py --model path/to/model.gguf --steps 4 --rounds 1 -- \
+    python benchmarks/run.py --model path/to/model.gguf --steps 4 --rounds 1 -- \\
         --per_device_train_batch_size 16 --num_generations 4     # grpo.py vs TRL on a real model, these settings
 
 Each run is its own process (so peak memory is its own), trains --steps steps from out/sft (PPO:
