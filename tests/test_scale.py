@@ -79,15 +79,17 @@ def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
 def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
     """distributed.setup() registers leave_group at exit: the group is destroyed before the interpreter
     tears gloo down (left to that teardown, gloo's threads aborted some finished --fsdp runs). atexit
-    runs its handlers last registered first, so a handler registered before setup() sees the end."""
+    runs its handlers last registered first, so a handler registered before setup() sees the end.
+    Each process writes its own file (two processes printing to one pipe interleave their lines)."""
     script = tmp_path / "join_and_exit.py"
-    script.write_text(f"import atexit, sys\nsys.path.insert(0, {ROOT!r})\nimport torch.distributed as dist\n"
-                      "import distributed\n"
-                      "atexit.register(lambda: print('in a group at exit:', dist.is_initialized(), flush=True))\n"
-                      "print('rank, world size:', distributed.setup(), flush=True)\n")
-    printed = torchrun(str(script)).stdout
-    assert printed.count("in a group at exit: False") == 2 and "in a group at exit: True" not in printed, printed
-    assert "rank, world size: (1, 2)" in printed
+    script.write_text(
+        f"import atexit, os, sys\nsys.path.insert(0, {ROOT!r})\nimport torch.distributed as dist\nimport distributed\n"
+        f"report = open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w')\n"
+        "atexit.register(lambda: (report.write(f'in a group at exit: {dist.is_initialized()}'), report.close()))\n"
+        "report.write(f'rank, world size: {distributed.setup()}; ')\n")
+    torchrun(str(script))
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}").read_text() == f"rank, world size: ({rank}, 2); in a group at exit: False"
 
 
 @pytest.mark.slow
