@@ -326,7 +326,7 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = self.key_room[:, :, :end], self.value_room[:, :, :end]
         return self.keys, self.values
 
-    def batch_select_indices(self, indices):  # drop_finished: keep these rows
+    def batch_select_indices(self, indices):  # drop_finished: keep these rows, indices [b_kept] of the b
         length = self.keys.shape[-2]
         # Speed: index_select copies the kept rows faster than indexing with [indices] (the same values);
         # on the tiny model a rollout of 128 rows took 0.16 s instead of 0.17 (medians of 42, 2026-11-26)

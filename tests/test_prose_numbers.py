@@ -100,6 +100,12 @@ def test_readme_syllabus_gains_are_the_dpo_pages_table():
     assert [float(g) for g in quoted.groups()] == [number(table_row(page, m)[5]) for m in methods]
 
 
+def smollm2_evals(name: str, stage: str = "grpo") -> list[dict]:
+    """The evaluation rows of a committed SmolLM2 run, docs/smollm2_runs/<name>/<stage>/metrics.jsonl."""
+    with open(os.path.join(ROOT, "docs", "smollm2_runs", name, stage, "metrics.jsonl"), encoding="utf-8") as f:
+        return [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
+
+
 def test_real_models_smollm2_table_is_the_committed_runs():
     """docs/real_models.md's table of SmolLM2 runs (benchmarks/smollm2.sh and the runs that chose its
     settings) quotes, for every run folder under docs/smollm2_runs/, what its metrics.jsonl files say:
@@ -109,11 +115,8 @@ def test_real_models_smollm2_table_is_the_committed_runs():
     names = sorted(os.listdir(runs))
     assert len([name for name in names if name.startswith("seed")]) >= 3, "the chain's figures need 3 seeds"
     for name in names:
-        evals = {}
         rl = "mix" if os.path.isdir(os.path.join(runs, name, "mix")) else "grpo"  # the RL run: GRPO's, or MIX's
-        for stage in ("sft", rl):
-            with open(os.path.join(runs, name, stage, "metrics.jsonl"), encoding="utf-8") as f:
-                evals[stage] = [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
+        evals = {stage: smollm2_evals(name, stage) for stage in ("sft", rl)}
         sampled = [100 * row["eval/accuracy_sampled"] for row in evals[rl]]
         greedy = [100 * row["eval/accuracy_greedy"] for row in evals[rl]]
         minutes = [row["time/elapsed"] / 60 for row in (evals["sft"][-1], evals[rl][-1])]
@@ -130,11 +133,8 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     metrics.jsonl: each GRPO gain and their mean, where GRPO starts and ends, and how far sampled and
     greedy accuracy stand apart at the start and at the end over all six chains; and the three 120-step
     chains' ends and gains, quoted as the best models; the README's sentence on the three seeds."""
-    def evals(name):
-        path = os.path.join(ROOT, "docs", "smollm2_runs", name, "grpo", "metrics.jsonl")
-        with open(path, encoding="utf-8") as f:
-            rows = [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row]
-        return [(100 * row["eval/accuracy_sampled"], 100 * row["eval/accuracy_greedy"]) for row in rows]
+    def evals(name):  # [(sampled %, greedy %)] at each of the GRPO run's evaluations
+        return [(100 * row["eval/accuracy_sampled"], 100 * row["eval/accuracy_greedy"]) for row in smollm2_evals(name)]
 
     def span(values):
         return f"{min(values):.1f}% to {max(values):.1f}%"
@@ -198,10 +198,7 @@ def test_real_models_plateau_is_the_share_of_easy_problems_and_the_kind_table_is
     assert (f"{easy} leave room for no slip ({sums} sums without a carry, {differences} differences without a "
             f"borrow): {easy} of 64 is {share}%") in page
     for seed in range(3):
-        metrics = os.path.join(ROOT, "docs", "smollm2_runs", f"sft30-seed{seed}", "grpo", "metrics.jsonl")
-        with open(metrics, encoding="utf-8") as f:
-            last = [row for row in map(json.loads, f) if "eval/accuracy_greedy" in row][-1]
-        assert f"{100 * last['eval/accuracy_greedy']:.1f}" == share
+        assert f"{100 * smollm2_evals(f'sft30-seed{seed}')[-1]['eval/accuracy_greedy']:.1f}" == share
 
 
 GPU_RUN = os.path.join("docs", "gpu_runs", "h100-2026-11-25")
