@@ -16,6 +16,7 @@ sequences in one forward pass each ("inference", prefill only). One step:
   1. rollout:    the actor samples one completion per prompt    completion_ids, mask    [B, T]
   2. inference:  the actor's (old) and the reference's log-probs, the critic's values  [B, T]
                  and the reward model's score at each completion's EOS                 [B]
+                 (with one update per step, the update's own pass gives the actor's and critic's)
   3. rewards:    per token -kl_coef * (logp - ref_logp); the clipped score added on the last token
   4. GAE:        advantages and returns, computed backwards over the tokens             [B, T]
   5. PPO epochs: num_ppo_epochs passes over mini-batches of this experience; the clipped actor
@@ -354,6 +355,28 @@ def step_metrics(score, completions, answers, mask, old_logprobs, ref_logprobs, 
 
 
 # ---------------------------------------------------------------------------------------------
+# The training pass, and when the inference step can take pi_old and V_old from it
+# ---------------------------------------------------------------------------------------------
+def training_pass(actor, critic, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
+    """The forward pass the two losses differentiate, over some rows: the actor's log-probs and
+    entropy, and the critic's values [b, T] each, with gradients."""
+    logprobs, entropy = rollout.completion_logprobs(actor, input_ids, attention_mask, num_completion_tokens,
+                                                    temperature, with_entropy=True)
+    return logprobs, entropy, critic_values(critic, input_ids, attention_mask, num_completion_tokens)
+
+
+def makes_one_update(cfg) -> bool:
+    """True when a step makes a single update (one PPO epoch of one mini-batch, in one micro-batch).
+
+    Speed: then the update's training pass sees the weights that pi_old's and V_old's inference
+    passes would see, so it runs first and its detached outputs serve as old_logprobs and old_values:
+    two forward passes fewer per step (grpo.py does the same for pi_old), the same numbers on every
+    real token (tests/test_rlhf_scripts.py runs a step both ways). With more updates per step the
+    old values must stay fixed while the weights move, so they get passes of their own."""
+    return cfg.num_ppo_epochs == 1 and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1
+
+
+# ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
@@ -423,21 +446,26 @@ def main(cfg: Config):
         # micro-batch of rows at a time (gradient accumulation: the logits of one micro-batch in memory).
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
         old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=run.device) for _ in range(3))
+        one_update = makes_one_update(cfg)
         with torch.no_grad():  # [B, T] each
             for rows in micro_batches:
-                # pi_old's log-probs: the KL reward needs them before any update, so unlike grpo.py this pass
-                # stays even with one epoch and one mini-batch (where the training pass recomputes them).
-                old_logprobs[rows] = rollout.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
-                                                                 cfg.temperature)
+                if not one_update:  # pi_old's log-probs and V_old: the KL reward and GAE need them before any update
+                    old_logprobs[rows] = rollout.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
+                                                                     cfg.temperature)
                 with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
                     ref_logprobs[rows] = rollout.completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T,
                                                                      cfg.temperature)
-                old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
+                if not one_update:
+                    old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
             if reward_model is None:
                 score = rule_scores(completions, step_data["answer"]).to(run.device)  # [B]
             else:
                 score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows])
                                    for rows in micro_batches])  # [B]
+        if one_update:  # Speed: the only update's own pass runs now, with gradients; detached, it is pi_old and V_old
+            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # all rows
+            old_logprobs, old_values = first_pass[0].detach(), first_pass[2].detach()
+        with torch.no_grad():
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
             rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, state["kl_coef"], cfg.clip_score)
             advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
@@ -456,11 +484,11 @@ def main(cfg: Config):
                 actor_loss = critic_loss = 0.0
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
                     rows = idx[part]
-                    micro_logprobs, entropy[part] = rollout.completion_logprobs(
-                        actor, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [b', T]
+                    micro_logprobs, entropy[part], micro_values = (  # [b', T] each
+                        [x[rows] for x in first_pass] if one_update else
+                        training_pass(actor, critic, input_ids[rows], attention_mask[rows], T, cfg.temperature))
                     micro_actor_loss = ppo_actor_loss(micro_logprobs, old_logprobs[rows], advantages[rows], mask[rows],
                                                       cfg.cliprange, step_tokens)
-                    micro_values = critic_values(critic, input_ids[rows], attention_mask[rows], T)  # [b', T]
                     micro_critic_loss = ppo_critic_loss(micro_values, old_values[rows], returns[rows], mask[rows],
                                                         cfg.cliprange_value, step_tokens)
                     micro_actor_loss.backward()  # gradients add up over the micro-batches

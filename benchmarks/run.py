@@ -75,7 +75,8 @@ def run(name, steps, workdir, extra=(), baseline=None):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     rows = [r for r in rows if "time/step" in r][1:]  # training steps, warm-up step left out
     return {**measured, "step": [r["time/step"] for r in rows], "length": [r["completion_length"] for r in rows],
-            **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "forward", "backward")}}
+            **{part: [r[f"time/{part}"] for r in rows] for part in ("generation", "forward", "backward")
+               if f"time/{part}" in rows[0]}}  # a baseline before commit 110f32d logged time/logprobs, not forward
 
 
 def summary(name, runs, per_step=None):

@@ -9,6 +9,7 @@ import common
 import ppo
 import reward_model
 from conftest import ROOT, built_once, read_metrics, run_main, z_accuracy, z_gain
+from floats import assert_close, forward_terms
 
 
 @pytest.fixture(scope="session")
@@ -74,6 +75,35 @@ def test_ppo_with_several_epochs_and_mini_batches_and_the_rule_reward(sft_checkp
         "--whiten_advantages", "false", "--eval_steps", "100", "--num_eval_examples", "8")
     rows = [row for row in read_metrics(out) if "score" in row]
     assert len(rows) == 2 and all(-1 <= row["score"] <= 1 for row in rows)  # the mean of +-1 scores
+
+
+def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_checkpoint, tmp_path, monkeypatch):
+    """With one update per step (the default), ppo.py skips the actor's and the critic's inference passes and
+    takes pi_old and V_old from the training pass (ppo.makes_one_update). One step both ways, the same
+    micro-batches: the same experience, the same losses to float rounding, the same weights (as norms, for
+    AdamW's first step: see test_accumulation.py)."""
+    args = ["--model", sft_checkpoint, "--reward_model", "rule", "--max_steps", "1", "--eval_steps", "100",
+            "--num_eval_examples", "4", "--warmup_steps", "0", "--per_device_train_batch_size", "32"]
+    borrowed, plain = str(tmp_path / "borrowed"), str(tmp_path / "plain")
+    run_main("ppo.py", *args, "--output_dir", borrowed)
+    with monkeypatch.context() as patch:
+        patch.setattr(ppo, "makes_one_update", lambda cfg: False)  # the inference passes of every other setting
+        run_main("ppo.py", *args, "--output_dir", plain)
+    (a,), (b,) = ([row for row in read_metrics(d) if "score" in row] for d in (borrowed, plain))
+    for key in ("score", "completion_length", "accuracy"):  # the same rollout
+        assert a[key] == b[key], key
+    config = common.load_model(sft_checkpoint)[0].config
+    tokens = round(32 * a["completion_length"])  # the sums over the step's tokens
+    for key, scale in (("kl_sum", 1.0), ("value_error", None), ("loss/critic", None), ("entropy", None),
+                       ("loss/actor", 4.0)):  # loss/actor: whitened advantages x a ratio of 1
+        assert_close(a[key], b[key], terms=forward_terms(config) + tokens, scale=scale, msg=key)
+    start = load_file(os.path.join(sft_checkpoint, "model.safetensors"))
+    for sub in ("", "critic"):  # the critic is the SFT transformer with a new value head: compare the transformer
+        w_a, w_b = (load_file(os.path.join(d, sub, "model.safetensors")) for d in (borrowed, plain))
+        shared = [k for k in w_a if k in start]
+        update = sum(((w_a[k] - start[k]) ** 2).sum() for k in shared).sqrt()
+        difference = sum(((w_b[k] - w_a[k]) ** 2).sum() for k in shared).sqrt()
+        assert update > 0 and difference <= 1e-3 * update, (sub, difference, update)
 
 
 @pytest.mark.parametrize("args, message", [
