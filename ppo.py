@@ -444,6 +444,7 @@ def main(cfg: Config):
 
         # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse, one
         # micro-batch of rows at a time (gradient accumulation: the logits of one micro-batch in memory).
+        # With one update per step, pi_old's log-probs and V_old come from that update's own pass.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
         old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=run.device) for _ in range(3))
         one_update = makes_one_update(cfg)
@@ -463,7 +464,7 @@ def main(cfg: Config):
                 score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows])
                                    for rows in micro_batches])  # [B]
         if one_update:  # Speed: the only update's own pass runs now, with gradients; detached, it is pi_old and V_old
-            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # all rows
+            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # [B, T] x 3
             old_logprobs, old_values = first_pass[0].detach(), first_pass[2].detach()
         with torch.no_grad():
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
