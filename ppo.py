@@ -477,8 +477,6 @@ def main(cfg: Config):
         updates = []  # what each update logs (update_stats)
         for _ in range(cfg.num_ppo_epochs):
             for idx in torch.randperm(len(prompts)).chunk(cfg.num_mini_batches):
-                actor_optimizer.zero_grad(set_to_none=True)
-                critic_optimizer.zero_grad(set_to_none=True)
                 # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
                 step_tokens = common.token_count(mask[idx])
                 logprobs, entropy, values = (torch.zeros(len(idx), T, device=run.device) for _ in range(3))  # detached
@@ -501,6 +499,9 @@ def main(cfg: Config):
                                                (critic_loss, critic, critic_optimizer)):
                     run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
                     optimizer.step()
+                    # gradients freed at once, not kept until the next update: the next step's
+                    # training pass may run before its update (makes_one_update) and needs the memory
+                    optimizer.zero_grad(set_to_none=True)
                 for scheduler in schedulers:
                     scheduler.step()
                 updates.append(update_stats(actor_loss, critic_loss, logprobs, old_logprobs[idx], values,
