@@ -464,7 +464,7 @@ def main(cfg: Config):
                 score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows])
                                    for rows in micro_batches])  # [B]
         if one_update:  # Speed: the only update's own pass runs now, with gradients; detached, it is pi_old and V_old
-            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # [B, T] x 3
+            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # 3 x [B, T]
             old_logprobs, old_values = first_pass[0].detach(), first_pass[2].detach()
         with torch.no_grad():
             # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.

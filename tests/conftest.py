@@ -110,6 +110,21 @@ def assert_same_run(a, b):
     assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
+def assert_same_update(start, a, b, sub=""):
+    """Two one-step runs from the weights in folder `start` that differ in float order only (their
+    <a or b>/<sub>/model.safetensors): the same update. AdamW's first step divides each gradient entry
+    by its own size, so an entry whose gradient is below float rounding may move by up to lr either
+    way: the weights are compared as norms, the runs' difference against the update, over the tensors
+    `start` holds (all but a new value head)."""
+    w_start = load_file(os.path.join(start, "model.safetensors"))
+    w_a, w_b = (load_file(os.path.join(d, sub, "model.safetensors")) for d in (a, b))
+    shared = [k for k in w_a if k in w_start]
+    assert w_a.keys() == w_b.keys() and len(shared) >= len(w_a) - 1, sub
+    update = sum(((w_a[k] - w_start[k]) ** 2).sum() for k in shared).sqrt()
+    difference = sum(((w_b[k] - w_a[k]) ** 2).sum() for k in shared).sqrt()
+    assert update > 0 and difference <= 1e-3 * update, (sub, difference, update)
+
+
 # `python -m pytest tests -n 2` (pytest-xdist, as CI runs the suite) runs the tests in two worker
 # processes, one per core of a laptop: each worker computes with one thread (two workers of two threads
 # each would share two cores), and so do the processes it starts (scripts, torchrun, notebook kernels).

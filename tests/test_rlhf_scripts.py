@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 import common
 import ppo
 import reward_model
-from conftest import ROOT, built_once, read_metrics, run_main, z_accuracy, z_gain
+from conftest import ROOT, assert_same_update, built_once, read_metrics, run_main, z_accuracy, z_gain
 from floats import assert_close, forward_terms
 
 
@@ -81,7 +81,7 @@ def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_checkp
     """With one update per step (the default), ppo.py skips the actor's and the critic's inference passes and
     takes pi_old and V_old from the training pass (ppo.makes_one_update). One step both ways, the same
     micro-batches: the same experience, the same losses to float rounding, the same weights (as norms, for
-    AdamW's first step: see test_accumulation.py)."""
+    AdamW's first step: conftest.assert_same_update)."""
     args = ["--model", sft_checkpoint, "--reward_model", "rule", "--max_steps", "1", "--eval_steps", "100",
             "--num_eval_examples", "4", "--warmup_steps", "0", "--per_device_train_batch_size", "32"]
     borrowed, plain = str(tmp_path / "borrowed"), str(tmp_path / "plain")
@@ -97,13 +97,8 @@ def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_checkp
     for key, scale in (("kl_sum", 1.0), ("value_error", None), ("loss/critic", None), ("entropy", None),
                        ("loss/actor", 4.0)):  # loss/actor: whitened advantages x a ratio of 1
         assert_close(a[key], b[key], terms=forward_terms(config) + tokens, scale=scale, msg=key)
-    start = load_file(os.path.join(sft_checkpoint, "model.safetensors"))
     for sub in ("", "critic"):  # the critic is the SFT transformer with a new value head: compare the transformer
-        w_a, w_b = (load_file(os.path.join(d, sub, "model.safetensors")) for d in (borrowed, plain))
-        shared = [k for k in w_a if k in start]
-        update = sum(((w_a[k] - start[k]) ** 2).sum() for k in shared).sqrt()
-        difference = sum(((w_b[k] - w_a[k]) ** 2).sum() for k in shared).sqrt()
-        assert update > 0 and difference <= 1e-3 * update, (sub, difference, update)
+        assert_same_update(sft_checkpoint, borrowed, plain, sub)
 
 
 @pytest.mark.parametrize("args, message", [
