@@ -3,7 +3,7 @@ loading (a folder, a hub id, a LoRA adapter, a .gguf file), LoRA and its referen
 (GSM8K's schema) and the chat prompt, the answer checker, the token count of a token mean, the
 learning-rate schedule and held-out evaluation.
 
-Each algorithm (SFT, reward model, PPO, GRPO, MIX) lives in its own script; the rollout and the
+Each algorithm (SFT, reward model, PPO, GRPO, MIX, DPO) lives in its own script; the rollout and the
 log-prob pass in rollout.py. What a training run needs that is not the algorithm lives apart:
 harness.py (output folder, checkpoints, logging), distributed.py (several processes), checks.py
 (bad input: one sentence).
