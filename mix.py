@@ -114,7 +114,8 @@ class Config:
     A * logp weighted by its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over
     the step's tokens"""
     scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
-    """divide the centred rewards by the std of their 'group' (GRPO), of the whole 'batch', or 'none' (Dr. GRPO)"""
+    """divide the centred rewards by the std of their 'group' (GRPO), of all the step's raw rewards ('batch'), or
+    'none' (Dr. GRPO)"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop each group whose rewards are all equal (no signal) and sample more prompts, up
     to --max_sampling_rounds rollouts per step, until the step has B groups with spread (fewer if not found; logged
@@ -201,8 +202,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
                      eps: float = 1e-4) -> torch.Tensor:
     """A_i = (r_i - mean(r_group)) / (std + eps) for each completion i (note 004), where std is
       'group': the std of the completion's own group (DeepSeekMath; the default, as TRL's);
-      'batch': the std of every reward of the step, on all processes (TRL's 'batch': group mean,
-               batch std, after Lite PPO, arXiv 2508.08221; REINFORCE++-baseline does the same);
+      'batch': the std of every raw reward of the step, on all processes (TRL's 'batch': group mean,
+               batch std, after Lite PPO, arXiv 2508.08221). REINFORCE++-baseline differs: it divides by
+               the std of the group-centred rewards (reinforce_pp_advantages);
       'none':  no division at all (Dr. GRPO, Z. Liu et al. 2025). Divided by its std, every group with
                any spread has the same sum of squared advantages, G - 1 (eps aside), whatever its success rate:
                a prompt solved almost always or almost never weighs as much as a 50/50 one, i.e. its
@@ -273,18 +275,18 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
         k3 = exp(ref - logp) - (ref - logp) - 1
 
-    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Two
-    caveats when it is used as a loss term, as here (notes 002 / 004):
-      - with num_iterations > 1 the tokens were sampled from pi_old, not from the pi being updated,
-        so the estimate is biased. TRL 1.16 multiplies k3 by the ratio pi / pi_old, gradient included
-        (use_bias_correction_kl, on by default); even at ratio 1 that makes the gradient
-        (logp - ref) grad logp, whose mean over tokens from pi is the gradient of the reverse
-        KL(pi || pi_ref). grpo_loss keeps DeepSeekMath's plain k3;
-      - its gradient is not the gradient of KL(pi || pi_ref), the reverse (mode-seeking) KL that the
-        objective regularises: for tokens from pi, E[grad k3] = E[(1 - pi_ref / pi) grad logp] =
-        grad KL(pi_ref || pi), the gradient of the forward (mass-covering) KL (Tang & Munos 2025;
-        K. Liu et al. 2025, arXiv 2510.01555). k1 = logp - ref as a loss has E[grad k1] = E[grad logp] = 0, which is why
-        PPO puts k1 in the reward (ppo.compute_rewards) rather than in the loss.
+    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Where each
+    estimator can go (notes 002 / 004):
+      - k1 = logp - ref must go in the reward (ppo.compute_rewards): as a loss its expected gradient is
+        E[grad k1] = E[grad logp] = 0.
+      - k3 in the loss, as here (DeepSeekMath), has a cost: for tokens from pi, E[grad k3] =
+        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the gradient of the forward
+        (mass-covering) KL, not of the reverse (mode-seeking) KL(pi || pi_ref) that the objective
+        regularises (Tang & Munos 2025; K. Liu et al. 2025, arXiv 2510.01555). TRL 1.16 corrects it by
+        the ratio pi / pi_old, gradient included (use_bias_correction_kl, on by default): even at
+        ratio 1 the gradient becomes (logp - ref) grad logp, whose mean over tokens from pi is
+        grad KL(pi || pi_ref); the ratio also corrects for tokens sampled from pi_old when
+        num_iterations > 1. grpo_loss keeps DeepSeekMath's plain k3.
     [N, T] -> [N, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
@@ -335,12 +337,14 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
                 token's loss is -min(ratio, epsilon_high).detach() * A_i * logp: the ratio is
                 capped at epsilon_high (an absolute cap, e.g. 5, not 1 + eps) and detached, so it is
                 only a weight, and every token keeps its gradient A_i * grad logp, where PPO's clip
-                zeroes the gradient of a token outside the trust region. Aggregated as 'dapo'.
+                zeroes the gradient of a token outside its clip range. Aggregated as 'dapo'.
 
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. With a single update
-    per batch old_logprobs = logprobs.detach(): the ratio is 1 but its gradient is that of
-    logp, so the loss is the plain policy gradient -A * grad logp. ref_logprobs may be None
-    when beta == 0. Padding never reaches the value or the gradient, whatever it holds.
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. At the default
+    num_iterations 1 (one update per batch) old_logprobs = logprobs.detach(): the ratio is exactly 1,
+    the clip never acts and the ratio's gradient is that of logp, so the step is a group-baseline
+    REINFORCE step, -A * grad logp (plus the KL term); the clip acts with several updates per batch.
+    ref_logprobs may be None when beta == 0. Padding never reaches the value or the gradient,
+    whatever it holds.
 
     Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
     step's number of completions) and step_tokens (common.token_count of the step's mask) replace
