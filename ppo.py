@@ -22,6 +22,10 @@ sequences in one forward pass each ("inference", prefill only). One step:
   5. PPO epochs: num_ppo_epochs passes over mini-batches of this experience; the clipped actor
                  loss steps the actor, the clipped critic loss steps the critic
 
+At the defaults (num_ppo_epochs 1, num_mini_batches 1: one update per batch) the ratio is exactly 1 and
+V = V_old, so neither clip acts and step 5 is an actor-critic policy-gradient step with GAE; the clips act
+with several updates per batch.
+
 The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
 are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
 are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
@@ -214,8 +218,9 @@ def compute_rewards(score, logprobs, ref_logprobs, mask, kl_coef, clip_score):
         r_t = -kl_coef * (logp_t - ref_logp_t)                     on every real token
         r_T += clamp(score, -clip_score, clip_score)               on each row's last real token
 
-    The KL term pays the policy, token by token, for staying close to the reference; the reward
-    model's verdict on the whole completion arrives only at its end. Padding gets 0.
+    Per token the KL term has either sign: it charges for raising a token above pi_ref and pays for
+    lowering it; only its expectation over tokens from pi is a penalty, -kl_coef * KL(pi || pi_ref). The
+    reward model's verdict on the whole completion arrives only at its end. Padding gets 0.
     score [B]; logprobs, ref_logprobs, mask [B, T]."""
     mask = mask.bool()
     rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)  # [B, T]
@@ -233,8 +238,8 @@ def gae(values, rewards, mask, gamma, lam):
         R_t     = A_t + V_t                               (the critic's target: the return)
 
     lam = 1 gives A_t = (sum over k of gamma^k r_{t+k}) - V_t, the reward-to-go at the default gamma = 1
-    (Monte Carlo, high variance); lam = 0
-    gives the one-step TD error (low variance, biased by the critic). Values and rewards on
+    (Monte Carlo, high variance); lam = 0 gives the one-step TD error (low variance, biased by the
+    critic). Values and rewards on
     padding are treated as 0, so a row ends at its last real token. Returns (advantages, returns)
     [B, T], detached: they are targets, not functions of the parameters."""
     mask = mask.bool()
@@ -280,7 +285,10 @@ def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_toke
 
     The max of the two losses is the min of the two objectives: once the ratio has moved past
     1 + eps (A > 0) or 1 - eps (A < 0), the clipped term is the larger loss and, being constant
-    in theta, gives no gradient, so one batch cannot push the policy far (note 003's figure).
+    in theta, gives no gradient (note 003's figure). The clip removes the incentive per token: it
+    limits how hard one batch pushes each token, not how far the policy moves, since shared weights
+    move other tokens too (Engstrom et al. 2020; Wang et al. 2020). With one update per batch (the
+    defaults) the ratio is exactly 1 and the clip never acts.
     logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean."""
     mask = mask.bool()
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # junk on padding never reaches exp
@@ -299,11 +307,11 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=N
     The critic is fitted to the returns R. The max keeps the larger error, so the gradient is gone
     only where V has moved more than c from old_v toward R (the clipped error, constant in theta,
     is then the larger); a V that left the band away from R keeps its gradient and is pulled back.
-    So V is not kept within c of old_v: the clip only stops one batch from chasing R too far. c is
-    in reward units, like V and R, not a ratio. Andrychowicz et al. (2021, "What matters in
+    So V is not kept within c of old_v: the clip only removes, token by token, the pull past c toward
+    R. c is in reward units, like V and R, not a ratio. Andrychowicz et al. (2021, "What matters in
     on-policy RL") found value clipping often does not help; it stays here because note 000's
-    DeepSpeed-Chat (and TRL's PPOTrainer, before TRL dropped it) use it. values, old_values, returns, mask [B, T];
-    step_tokens: see masked_mean."""
+    DeepSpeed-Chat (and TRL's PPOTrainer, before TRL dropped it) use it. values, old_values, returns,
+    mask [B, T]; step_tokens: see masked_mean."""
     mask = mask.bool()
     values = torch.where(mask, values, 0.0)
     old_values = torch.where(mask, old_values, 0.0)
