@@ -110,7 +110,9 @@ def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, 
         loss = -sum_i log sigmoid(r_chosen_i - r_rejected_i) / num_pairs,      num_pairs = M by default
 
     chosen_scores, rejected_scores [M], one per pair. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
-    this is the negative log-likelihood of the human's choice. Only differences of scores matter.
+    this is the negative log-likelihood of the labelled choice. No person labels the pairs here: the shipped
+    ones are synthetic (data/make_data.py), policy_pairs' are labelled by the rule-based checker. Only
+    differences of scores matter.
     With gradient accumulation, num_pairs is the whole step's pair count: each micro-batch's loss
     is then its share of the step's mean, and the shares add up to the step's loss."""
     losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [M]
