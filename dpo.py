@@ -106,9 +106,8 @@ class Config:
     temperature: float = setting(1.0, lambda v: v > 0, "positive")
     """sampling temperature of the online rollout (the log-probs are those of the same distribution)"""
     learning_rate: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out for the default)")
-    """peak learning rate of AdamW; unset: 5e-5 with --online, 5e-6 offline. Measured from out/sft: online at
-    5e-5 gained 14 points held-out sampled in 50 steps; offline at 5e-5 collapsed (greedy accuracy 94 -> 50 by
-    step 50, logps/chosen falling with logps/rejected), at 5e-6 it kept its chosen log-probs (docs/dpo.md)"""
+    """peak learning rate of AdamW; unset: 5e-5 with --online, 5e-6 offline (from out/sft, offline DPO at 5e-5
+    collapses the policy: docs/dpo.md)"""
     warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
     """linear warmup steps from 0 to learning_rate, then a cosine decay"""
     min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
@@ -196,11 +195,12 @@ def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
         loss = (h - 1 / (2 beta))^2
 
     DPO's logistic loss keeps pushing h up as long as a pair is ranked at all (its minimum is at
-    h = infinity), which on pairs that are always ranked the same way drives pi_ref's answer to
-    zero probability; IPO's squared loss stops at a finite target margin 1 / (2 beta) (beta = 0.1:
-    5 nats per token), a regression target instead of a classification. The log-ratios are
-    divided by the answers' token counts (|y|, EOS included), as TRL's DPOTrainer does (its
-    comment: confirmed with the IPO authors); TRL's OnlineDPOTrainer uses the sums. All [B]."""
+    h = infinity), which on pairs that are always ranked the same way drives the rejected answer's
+    probability under pi to zero, whatever beta is (Azar et al. 2023); IPO's squared loss stops at a
+    finite target margin 1 / (2 beta) (beta = 0.1: 5 nats per token), a regression target instead of
+    a classification. The log-ratios are divided by the answers' token counts (|y|, EOS included),
+    as TRL's DPOTrainer does (its comment: confirmed with the IPO authors); TRL's OnlineDPOTrainer
+    uses the sums. All [B]."""
     h = (chosen_logps - ref_chosen_logps) / chosen_lengths - (rejected_logps - ref_rejected_logps) / rejected_lengths
     return (h - 1 / (2 * beta)) ** 2
 
@@ -212,10 +212,12 @@ def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, b
         loss = -log sigmoid(beta * (log pi(y_c) / |y_c| - log pi(y_r) / |y_r|) - gamma)
 
     What it changes from DPO: the reward is the average log-prob per token, beta * log pi(y|x) / |y|,
-    with no reference model (one model in memory, no reference pass); dividing by the length
-    removes DPO's pull toward longer answers (a sum of log-probs grows with |y|); and the margin
-    gamma asks chosen to beat rejected by at least gamma / beta nats per token, not just by
-    anything. Without pi_ref nothing anchors the policy but the data. All [B]."""
+    with no reference model (one model in memory, no reference pass); DPO's implicit reward, a summed
+    log-ratio, scales with the length and does not match the per-token likelihood that generation
+    follows, and dividing by |y| removes that dependence (a sum of log-probs falls, growing more
+    negative, with |y|); and the margin gamma asks chosen to beat rejected by at least gamma / beta
+    nats per token, not just by anything. Without pi_ref nothing anchors the policy but the data.
+    All [B]."""
     margin = chosen_logps / chosen_lengths - rejected_logps / rejected_lengths
     return -F.logsigmoid(beta * margin - gamma)
 
