@@ -38,7 +38,7 @@ def setup() -> tuple[int, int]:
 
 def leave_group():
     """At the process's exit, leave the process group while Python is still whole. Left to the
-    interpreter's own teardown, gloo's threads now and then aborted a run that had finished its
+    interpreter's own teardown, gloo's threads can abort a run that has finished its
     work (SIGABRT, "terminate called without an active exception"; docs/troubleshooting.md)."""
     if dist.is_initialized():
         dist.destroy_process_group()

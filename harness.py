@@ -694,8 +694,8 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
 # ---------------------------------------------------------------------------------------------
 def keep_freed_memory():
     """Speed (Linux): glibc gives each large freed tensor back to the OS, and the next step's tensors
-    page-fault that memory in again; keeping freed memory for reuse makes a tiny-model step ~15%
-    faster. Runs once, at import; does nothing without glibc (macOS, Windows) or when the
+    page-fault that memory in again; keeping freed memory for reuse makes a tiny-model step faster
+    (docs/speed.md). Runs once, at import; does nothing without glibc (macOS, Windows) or when the
     environment already sets glibc's MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return

@@ -224,8 +224,8 @@ def main(cfg: Config):
 
         # Each micro-batch divides by the step's answer-token count, so the gradients that backward() adds up
         # are those of one pass over the step's batch (up to float rounding). One pass per micro-batch, no
-        # length chunks: SFT's step is cheap already, and its seed-0 run stays bit for bit what it was before
-        # the RL speed-ups (reordering rows changes float rounding, which 700 steps amplify).
+        # length chunks: SFT's step is cheap, and reordering rows changes float rounding, which 700 steps
+        # amplify into another run.
         optimizer.zero_grad(set_to_none=True)
         loss = 0.0
         for input_ids, attention_mask, answer_mask in micro_batches:
