@@ -202,3 +202,21 @@ def test_static_cache_computes_qwen2_with_its_biases(saved_tiny, monkeypatch):
     prompts = [common.make_prompt(tokenizer, q) for q in ("12+345=", "7-80=", "1-999=") for _ in range(2)]
     plain, static = greedy_both_ways(monkeypatch, model, tokenizer, prompts, 16)
     assert_same_greedy_decoding(plain, static, model.config, min_compared=0.5)
+
+
+def test_scaling_page_quotes_the_committed_rollout_run():
+    """docs/scaling.md's tables of the static cache on the H100 are benchmarks/gpu.py's, as it printed
+    them from the committed gpu.json."""
+    import json
+    import os
+
+    from conftest import ROOT, load_benchmark
+
+    gpu = load_benchmark("gpu")
+    with open(os.path.join(ROOT, "docs", "gpu_runs", "h100-2026-11-26", "call2", "gpu.json")) as f:
+        run = json.load(f)
+    with open(os.path.join(ROOT, "docs", "scaling.md")) as f:
+        page = f.read()
+    assert run["device"] == "NVIDIA H100 80GB HBM3" and run["date"] == "2026-11-26"
+    for table in gpu.rollout_tables(run["d"]).split("\n\n"):
+        assert table in page
