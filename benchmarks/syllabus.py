@@ -1,22 +1,42 @@
-"""The 2026 syllabus side by side: RM + PPO, offline and online DPO, GRPO, RLOO and REINFORCE++ on the toy task.
+"""The course's methods side by side, and the controls behind its comparisons.
 
-Every method starts from the same SFT checkpoint and evaluates on the same held-out problems, once per seed;
-PPO and the reward-model judge read the same reward model. Then one figure (held-out sampled accuracy
-against the step and against the run's clock, the mean over seeds with its range, and offline DPO's
-log-probs of the chosen and rejected answers) and one markdown table (mean and range over the seeds):
+Each seed s is one start: `sft.py --seed s`, then from it `reward_model.py --seed s` (PPO's reward
+model and the online-DPO judge). Every method trains from that start with `--seed s` for 40 steps
+and is evaluated every 20 on the 500 held-out problems (4 samples each at temperature 1, and
+greedy). The range over seeds therefore covers the SFT model, the reward model and the RL run
+together, not the RL run alone.
 
-    python sft.py && python reward_model.py              # out/sft, out/rm
-    python benchmarks/syllabus.py --seeds 0 1 2          # out/syllabus/<method>/<seed>, docs/syllabus.png
-    python benchmarks/syllabus.py --seeds 0 --methods grpo rloo --max_steps 40   # a quick look
+    python benchmarks/syllabus.py                                    # every method, seeds 0 1 2
+    python benchmarks/syllabus.py --seeds 0 --methods grpo rule_ppo  # a quick look
+    python benchmarks/syllabus.py --report                           # tables and figures from docs/syllabus.json
 
-A run already finished in its folder is read, not repeated (delete the folder to rerun it).
+The syllabus rows run each script at its defaults. A control row changes one thing against the row
+CONTROLS names, so the difference between the two is that one thing's effect (on these seeds):
+
+    rule_ppo             rm_ppo with the checker's reward instead of the reward model's score
+    dpo_offline_5e-5     dpo_offline at online DPO's learning rate (5e-5) instead of 5e-6
+    dpo_own_pairs        dpo_offline_5e-5 on the start's own samples ranked once by the checker
+                         (own_pairs), instead of the shipped pairs; against dpo_online_rule it is
+                         the same pairs' kind sampled once, not at every step from the current policy
+    rm_ppo_4_updates     rm_ppo with 2 PPO epochs of 2 mini-batches: 4 updates per batch, 3 of them where the
+                         ratio can leave 1
+    grpo_4_iterations    grpo with 4 updates per batch (num_iterations 4)
+    grpo_perfect_teacher grpo from an SFT model of the same seed trained on a perfect teacher's
+                         demonstrations (data/make_data.py --careless 0) instead of the careless one's
+
+Outputs: out/syllabus/<start or method>/<seed>/ (the runs; a finished run is read, not repeated),
+docs/syllabus.json (each run's evaluations, minutes and the metrics the pages quote: the tables and
+figures are drawn from it, and tests/test_prose_numbers.py holds the pages to it), docs/syllabus.png
+and docs/controls.png, and the markdown tables printed.
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
+import time
 
 import matplotlib
 
@@ -24,101 +44,325 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {  # label: (script, arguments beyond --model / --seed / --output_dir)
-    "grpo": ("grpo.py", []),
-    "rloo": ("grpo.py", ["--advantage_estimator", "rloo"]),
-    "reinforce_pp": ("grpo.py", ["--advantage_estimator", "reinforce_pp"]),
-    "dpo_offline": ("dpo.py", []),
-    "dpo_online_rule": ("dpo.py", ["--online", "true", "--judge", "rule"]),
-    "dpo_online_rm": ("dpo.py", ["--online", "true", "--judge", "{rm}"]),
-    "rm_ppo": ("ppo.py", ["--reward_model", "{rm}"]),
+STEPS, EVAL_STEPS = 40, 20
+METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, the start it trains from)
+    "grpo": ("grpo.py", [], "sft"),
+    "rloo": ("grpo.py", ["--advantage_estimator", "rloo"], "sft"),
+    "reinforce_pp": ("grpo.py", ["--advantage_estimator", "reinforce_pp"], "sft"),
+    "mix": ("mix.py", [], "sft"),
+    "rm_ppo": ("ppo.py", ["--reward_model", "{rm}"], "sft"),
+    "dpo_offline": ("dpo.py", [], "sft"),
+    "dpo_online_rule": ("dpo.py", ["--online", "true", "--judge", "rule"], "sft"),
+    "dpo_online_rm": ("dpo.py", ["--online", "true", "--judge", "{rm}"], "sft"),
+    # the controls
+    "rule_ppo": ("ppo.py", ["--reward_model", "rule"], "sft"),
+    "dpo_offline_5e-5": ("dpo.py", ["--learning_rate", "5e-5"], "sft"),
+    "dpo_own_pairs": ("dpo.py", ["--dataset", "{own_pairs}", "--learning_rate", "5e-5"], "sft"),
+    "rm_ppo_4_updates": ("ppo.py", ["--reward_model", "{rm}", "--num_ppo_epochs", "2", "--num_mini_batches", "2"],
+                         "sft"),
+    "grpo_4_iterations": ("grpo.py", ["--num_iterations", "4"], "sft"),
+    "grpo_perfect_teacher": ("grpo.py", [], "sft_perfect"),
 }
+CONTROLS = {  # control: (the row it changes one thing of, that one thing)
+    "rule_ppo": ("rm_ppo", "the reward: the checker instead of the reward model"),
+    "dpo_offline_5e-5": ("dpo_offline", "the learning rate: 5e-5 instead of 5e-6"),
+    "dpo_own_pairs": ("dpo_offline_5e-5", "the pairs: the start's own samples, ranked by the checker"),
+    "rm_ppo_4_updates": ("rm_ppo", "4 updates per batch (2 epochs of 2 mini-batches) instead of 1"),
+    "grpo_4_iterations": ("grpo", "4 updates per batch instead of 1"),
+    "grpo_perfect_teacher": ("grpo", "the SFT data: a perfect teacher's demonstrations"),
+}
+NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
+COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
+                            "tab:red", "tab:pink", "tab:cyan", "tab:purple", "tab:brown", "darkgreen", "navy",
+                            "tab:gray"]))  # one colour a method, in every panel
 
 
-def run(method: str, seed: int, args) -> str:
-    """Train one method at one seed (unless its folder holds a finished run); returns the folder."""
-    script, extra = METHODS[method]
-    out = os.path.join(args.out, method, str(seed))
-    if os.path.isfile(os.path.join(out, "eval.json")):
-        return out
-    command = [sys.executable, script, "--model", args.sft, "--seed", str(seed), "--output_dir", out,
-               "--overwrite_output_dir", "true", *[a.format(rm=args.rm) for a in extra]]
-    if args.max_steps:
-        command += ["--max_steps", str(args.max_steps), "--eval_steps", str(max(1, args.max_steps // 3))]
-    print(" ".join(command[1:]), flush=True)
-    subprocess.run(command, cwd=ROOT, check=True)
-    return out
+# ---------------------------------------------------------------------------------------------
+# The runs
+# ---------------------------------------------------------------------------------------------
+def train(folder: str, command: list[str]) -> str:
+    """Run one script into folder unless it holds a finished run (eval.json); returns the folder. What the run
+    cost goes to folder/cost.json: its processor minutes (user + system time of the script's process), which
+    with one thread (OMP_NUM_THREADS=1) are the minutes it takes alone on one core, whatever else shares the
+    machine, and its wall-clock minutes."""
+    if not os.path.isfile(os.path.join(ROOT, folder, "eval.json")):
+        command = [sys.executable, *command, "--output_dir", folder, "--overwrite_output_dir", "true"]
+        print(" ".join(command[1:]), flush=True)
+        before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        subprocess.run(command, cwd=ROOT, check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cost = {"cpu_minutes": (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / 60,
+                "wall_minutes": (time.perf_counter() - started) / 60,
+                "threads": os.environ.get("OMP_NUM_THREADS", "default")}
+        with open(os.path.join(ROOT, folder, "cost.json"), "w") as f:
+            json.dump(cost, f)
+    return folder
+
+
+def start(kind: str, seed: int, out: str) -> dict:
+    """The folders a seed's methods start from: its SFT model (careless or perfect teacher), its reward model, and
+    its own pairs (made only when asked for)."""
+    if kind == "sft_perfect":
+        data = os.path.join(out, "data_perfect")
+        if not os.path.isfile(os.path.join(ROOT, data, "demos", "train.jsonl")):
+            subprocess.run([sys.executable, "data/make_data.py", "--careless", "0", "--out", data], cwd=ROOT,
+                           check=True)
+        return {"sft": train(f"{out}/sft_perfect/{seed}", ["sft.py", "--seed", str(seed),
+                                                            "--dataset", f"{data}/demos"])}
+    sft = train(f"{out}/sft/{seed}", ["sft.py", "--seed", str(seed)])
+    rm = train(f"{out}/rm/{seed}", ["reward_model.py", "--model", sft, "--seed", str(seed)])
+    return {"sft": sft, "rm": rm, "own_pairs": f"{out}/own_pairs/{seed}"}
+
+
+def own_pairs(sft: str, folder: str, seed: int, prompts: str = "data/arithmetic", batch: int = 512) -> dict:
+    """One round of semi-online DPO's data: the SFT model's own samples, two per prompt of the train split of
+    `prompts`, ranked once by the checker; a pair wherever one sample is right and the other wrong. These are the
+    pairs online DPO with --judge rule trains on at its first step (both right or both wrong: a tie, no pair),
+    made once from the start instead of at every step from the current policy. Writes folder/train.jsonl."""
+    if os.path.isfile(os.path.join(ROOT, folder, "train.jsonl")):
+        with open(os.path.join(ROOT, folder, "stats.json")) as f:
+            return json.load(f)
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import common
+    import rollout
+
+    torch.manual_seed(seed)
+    model, tokenizer = common.load_model(os.path.join(ROOT, sft))
+    data = common.load_split(os.path.join(ROOT, prompts), "train")
+    rows, right_count = [], 0
+    for begin in range(0, len(data), batch // 2):
+        part = data[begin : begin + batch // 2]
+        texts = [common.make_prompt(tokenizer, q) for q in part["question"] for _ in range(2)]
+        *_, completion_ids, _ = rollout.generate(model, tokenizer, texts, 64)
+        samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        for i, (question, answer) in enumerate(zip(part["question"], part["answer"])):
+            a, b = samples[2 * i : 2 * i + 2]
+            right_a, right_b = common.is_correct(a, answer), common.is_correct(b, answer)
+            right_count += right_a + right_b
+            if right_a != right_b:
+                rows.append({"prompt": question, "chosen": a if right_a else b, "rejected": b if right_a else a})
+    os.makedirs(os.path.join(ROOT, folder), exist_ok=True)
+    with open(os.path.join(ROOT, folder, "train.jsonl"), "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    stats = {"prompts": len(data), "pairs": len(rows), "samples_right": right_count / (2 * len(data))}
+    with open(os.path.join(ROOT, folder, "stats.json"), "w") as f:
+        json.dump(stats, f)
+    return stats
+
+
+def run(method: str, seed: int, out: str) -> dict:
+    """Train one method at one seed; returns what the pages quote of it (summary)."""
+    script, extra, kind = METHODS[method]
+    folders = start(kind, seed, out)
+    stats = own_pairs(folders["sft"], folders["own_pairs"], seed) if "{own_pairs}" in extra else None
+    folder = train(f"{out}/{method}/{seed}", [script, "--model", folders["sft"], "--seed", str(seed),
+                                              "--max_steps", str(STEPS), "--eval_steps", str(EVAL_STEPS),
+                                              *[a.format(**folders) for a in extra]])
+    return {"seed": seed, **summary(folder, folders, stats)}
+
+
+def read_json(path: str) -> dict:
+    with open(os.path.join(ROOT, path)) as f:
+        return json.load(f)
+
+
+def read_cost(folder: str) -> dict:
+    """train()'s cost.json of a run (processor and wall-clock minutes)."""
+    return read_json(os.path.join(folder, "cost.json"))
 
 
 def read_rows(folder: str) -> list[dict]:
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
+    with open(os.path.join(ROOT, folder, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
-def evaluations(folder: str) -> list[dict]:
-    return [row for row in read_rows(folder) if "eval/accuracy_sampled" in row]
+def summary(folder: str, folders: dict, stats: dict | None) -> dict:
+    """A run as the pages quote it: its settings, its evaluations (step, sampled and greedy %, minutes on its
+    clock), the reward model's minutes where it needs one, and the means of the training metrics the pages read."""
+    rows = read_rows(folder)
+    with open(os.path.join(ROOT, folder, "run.json")) as f:
+        settings = json.load(f)["settings"]
+    train_rows = [row for row in rows if row["step"] > 0]  # every step's row (an evaluation's step holds both)
+    means = {key: statistics.fmean(row[key] for row in train_rows if key in row)
+             for key in ("clip_fraction", "clip_fraction/actor", "online/ties", "kl", "kl_sum")
+             if any(key in row for row in train_rows)}
+    first = {key: train_rows[0][key] for key in ("logps/chosen", "logps/rejected") if key in train_rows[0]}
+    last10 = {key: statistics.fmean(row[key] for row in train_rows[-10:])
+              for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "score", "accuracy")
+              if key in train_rows[-1]}
+    kept = ("learning_rate", "beta", "kl_coef", "num_iterations", "num_ppo_epochs", "num_mini_batches",
+            "per_device_train_batch_size", "num_generations", "mu", "online", "judge", "dataset", "reward_model")
+    summary = {"settings": {k: settings.get(k) for k in kept if k in settings},
+               "evals": [{"step": row["step"], "sampled": 100 * row["eval/accuracy_sampled"],
+                          "greedy": 100 * row["eval/accuracy_greedy"], "minutes": row["time/elapsed"] / 60}
+                         for row in rows if "eval/accuracy_sampled" in row],
+               "dpo_curve": [{"step": row["step"], "chosen": row["rewards/chosen"], "rejected": row["rewards/rejected"]}
+                             for row in train_rows if "rewards/chosen" in row],
+               "means": means, "first": first, "last10": last10}
+    summary["cost"] = read_cost(folder)
+    if "rm" in folders and any(folders["rm"] in str(v) for v in settings.values()):
+        summary["rm_cost"] = read_cost(folders["rm"])
+        with open(os.path.join(ROOT, folders["rm"], "eval.json")) as f:
+            summary["rm_eval"] = json.load(f)
+    if stats:
+        summary["own_pairs"] = stats
+    return summary
 
 
+# ---------------------------------------------------------------------------------------------
+# The tables and the figures, from the summaries alone
+# ---------------------------------------------------------------------------------------------
 def spread(values: list[float]) -> str:
     """mean, and the range over seeds."""
     mean = statistics.fmean(values)
     return f"{mean:.1f} ({min(values):.1f} to {max(values):.1f})" if len(values) > 1 else f"{mean:.1f}"
 
 
+def gains(runs: list[dict]) -> list[float]:
+    """gain = held-out sampled accuracy at the end - at step 0, per seed (points)."""
+    return [run["evals"][-1]["sampled"] - run["evals"][0]["sampled"] for run in runs]
+
+
+def given(run: dict) -> str:
+    """What a method was given: learning rate and its KL weight."""
+    s = run["settings"]
+    kl = (f"kl_coef {s['kl_coef']}" if "kl_coef" in s else f"beta {s['beta']}" if "beta" in s else "")
+    updates = (f", {s['num_ppo_epochs']} epochs x {s['num_mini_batches']} mini-batches"
+               if s.get("num_ppo_epochs", 1) * s.get("num_mini_batches", 1) > 1 else
+               f", {s['num_iterations']} updates" if s.get("num_iterations", 1) > 1 else "")
+    return f"lr {s['learning_rate'] or ('5e-05' if s.get('online') else '5e-06')}, {kl}{updates}"
+
+
+def table(results: dict) -> str:
+    """The side-by-side table: mean (range over seeds)."""
+    lines = [f"| method | lr, KL weight | minutes on one core (+ reward model) | step 0 | step {STEPS} | "
+             f"gain (points) | greedy at {STEPS} |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for method, runs in results.items():
+        minutes = statistics.fmean(run["cost"]["cpu_minutes"] for run in runs)
+        rm = f" (+{statistics.fmean(r['rm_cost']['cpu_minutes'] for r in runs):.1f})" if "rm_cost" in runs[0] else ""
+        lines.append(f"| {method} | {given(runs[0])} | {minutes:.1f}{rm} | "
+                     f"{spread([run['evals'][0]['sampled'] for run in runs])} | "
+                     f"{spread([run['evals'][-1]['sampled'] for run in runs])} | {spread(gains(runs))} | "
+                     f"{spread([run['evals'][-1]['greedy'] for run in runs])} |")
+    return "\n".join(lines)
+
+
+def controls_table(results: dict) -> str:
+    """Each control beside its row: the gains per seed, and the difference of the means."""
+    lines = ["| control | changes, against | its gain | the row's gain | difference | per seed |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for control, (row, change) in CONTROLS.items():
+        if control in results and row in results:
+            seeds = [run["seed"] for run in results[control]]  # the row on the control's seeds only
+            ours, theirs = gains(results[control]), gains([run for run in results[row] if run["seed"] in seeds])
+            per_seed = ", ".join(f"{a - b:+.1f}" for a, b in zip(ours, theirs))
+            lines.append(f"| {control} | {change}; `{row}` | {spread(ours)} | {spread(theirs)} | "
+                         f"{statistics.fmean(ours) - statistics.fmean(theirs):+.1f} | {per_seed} |")
+    return "\n".join(lines)
+
+
+def band(ax, method: str, runs: list[dict]):
+    """The gain at each evaluated step (held-out sampled accuracy - at step 0, per seed): the mean over seeds
+    (points, joined) and their range (band)."""
+    steps = [e["step"] for e in runs[0]["evals"]]
+    curves = list(zip(*[[e["sampled"] - run["evals"][0]["sampled"] for e in run["evals"]] for run in runs]))
+    ax.plot(steps, [statistics.fmean(c) for c in curves], marker="o", color=COLORS[method], label=method)
+    ax.fill_between(steps, [min(c) for c in curves], [max(c) for c in curves], alpha=0.15, color=COLORS[method])
+
+
+def figures(results: dict, seeds: list[int], folder: str):
+    """docs/syllabus.png (the syllabus rows and offline DPO's log-probs) and docs/controls.png (each control
+    beside the row it changes)."""
+    fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4))
+    for method, runs in results.items():
+        if method not in CONTROLS and method != "dpo_online_rm":
+            band(kept, method, runs)
+    for method in ("rm_ppo", "dpo_online_rm"):
+        if method in results:
+            band(judge, method, results[method])
+    gain = "gain: held-out sampled accuracy - at step 0, points"
+    kept.set(title="the methods (each script's defaults)", xlabel="step", ylabel=gain)
+    judge.set(title="one reward model per seed, two ways to use it", xlabel="step", ylabel=gain)
+    dpo = [m for m in ("dpo_offline", "dpo_offline_5e-5", "dpo_own_pairs") if m in results]
+    for method in dpo:
+        runs, beta = results[method], results[method][0]["settings"]["beta"]
+        steps = [row["step"] for row in runs[0]["dpo_curve"]]
+        for key, style in (("chosen", "-"), ("rejected", "--")):
+            moved.plot(steps, [statistics.fmean(run["dpo_curve"][i][key] for run in runs) / beta
+                               for i in range(len(steps))], style, color=COLORS[method], label=f"{method}: {key}")
+    moved.axhline(0, color="grey", lw=0.8)
+    moved.set(title="offline DPO: how far each answer moved (a change)", xlabel="step",
+              ylabel="log pi - log pi_ref, nats (0 = the start; mean over seeds)")
+    for i, method in enumerate(dpo):
+        for j, key in enumerate(("chosen", "rejected")):
+            value = statistics.fmean(run["first"][f"logps/{key}"] for run in results[method])
+            level.bar(3 * i + j, value, color=COLORS[method], hatch="" if key == "chosen" else "//",
+                      label=f"{method}: {key}")
+    level.set_xticks([3 * i + 0.5 for i in range(len(dpo))], dpo, fontsize=8)
+    level.set(title="offline DPO's pairs at step 1 (a level)",
+              ylabel="summed log pi of the answers, nats (step 1, mean)")
+    for ax in (kept, judge, moved, level):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Each method from the same start per seed (sft.py, reward_model.py --seed s), {STEPS} steps, "
+                 f"seeds {', '.join(map(str, seeds))}: mean over seeds at the evaluated steps (points) and their "
+                 "range (band); 500 held-out problems, 4 samples each. Learning rate and KL weight: docs/dpo.md's "
+                 "table", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, folder, "syllabus.png"), dpi=100)
+
+    pairs = [(c, row) for c, (row, _) in CONTROLS.items() if c in results and row in results]
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for i, (control, row) in enumerate(pairs):
+        shared = [run["seed"] for run in results[control]]  # the row on the control's seeds only, as in the table
+        for j, method in enumerate((row, control)):
+            values = gains([run for run in results[method] if run["seed"] in shared])
+            ax.scatter([2.6 * i + j] * len(values), values, color=COLORS[method], s=25)
+            ax.plot([2.6 * i + j - 0.3, 2.6 * i + j + 0.3], [statistics.fmean(values)] * 2, color=COLORS[method], lw=2)
+    ax.set_xticks([2.6 * i + j for i in range(len(pairs)) for j in (0, 1)],
+                  [m for pair in pairs for m in (pair[1], pair[0])], rotation=30, ha="right", fontsize=8)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set(ylabel="gain: held-out sampled accuracy at the end - at step 0, points",
+           title=f"Each control (right of a pair) beside the row it changes one thing of (left), {STEPS} steps: "
+                 f"dots are seeds ({', '.join(map(str, seeds))}), bars their mean")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, folder, "controls.png"), dpi=100)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--sft", default="out/sft", help="the SFT checkpoint every method starts from")
-    parser.add_argument("--rm", default="out/rm", help="the reward model of PPO and of the online-DPO judge")
-    parser.add_argument("--max_steps", type=int, default=0, help="0: each script's default")
-    parser.add_argument("--out", default="out/syllabus")
-    parser.add_argument("--figure", default="docs/syllabus.png")
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in ("rloo", "reinforce_pp")],
+                        choices=list(METHODS), help="default: all but rloo and reinforce_pp")
+    parser.add_argument("--out", default="out/syllabus", help="where the runs go")
+    parser.add_argument("--docs", default="docs", help="where syllabus.json and the figures go")
+    parser.add_argument("--report", action="store_true", help="train nothing: tables and figures from syllabus.json")
+    parser.add_argument("--add", action="store_true", help="add these runs to syllabus.json instead of replacing it")
     args = parser.parse_args()
-    for path, hint in ((args.sft, "python sft.py"), (args.rm, "python reward_model.py")):
-        if not os.path.isdir(os.path.join(ROOT, path)):
-            sys.exit(f"error: {path} does not exist: run `{hint}` first")
-
-    folders = {m: [run(m, seed, args) for seed in args.seeds] for m in args.methods}
-    fig, (by_step, by_time, logps) = plt.subplots(1, 3, figsize=(16, 4.5))
-    print("| method | steps | minutes | held-out sampled at step 0 | at the end | gain (points) | greedy at the end |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for method, runs in folders.items():
-        evals = [evaluations(os.path.join(ROOT, f)) for f in runs]
-        steps = [row["step"] for row in evals[0]]
-        curves = [[100 * row["eval/accuracy_sampled"] for row in e] for e in evals]
-        mean = [statistics.fmean(c[i] for c in curves) for i in range(len(steps))]
-        line, = by_step.plot(steps, mean, marker="o", label=method)
-        by_step.fill_between(steps, [min(c[i] for c in curves) for i in range(len(steps))],
-                             [max(c[i] for c in curves) for i in range(len(steps))], alpha=0.15,
-                             color=line.get_color())
-        minutes = [statistics.fmean(row.get("time/elapsed", 0) for row in (e[i] for e in evals)) / 60
-                   for i in range(len(steps))]
-        by_time.plot(minutes, mean, marker="o", color=line.get_color(), label=method)
-        start, end = [c[0] for c in curves], [c[-1] for c in curves]
-        greedy = [100 * e[-1]["eval/accuracy_greedy"] for e in evals]
-        print(f"| {method} | {steps[-1]} | {minutes[-1]:.1f} | {spread(start)} | {spread(end)} | "
-              f"{spread([b - a for a, b in zip(start, end)])} | {spread(greedy)} |")
-        if method == "dpo_offline":  # the policy's log-ratio to pi_ref (TRL's rewards/* over beta), seeds' mean
-            rows = [[row for row in read_rows(os.path.join(ROOT, f)) if "rewards/chosen" in row] for f in runs]
-            with open(os.path.join(ROOT, runs[0], "run.json")) as f:
-                beta = json.load(f)["settings"]["beta"]
-            for key in ("chosen", "rejected"):
-                logps.plot([row["step"] for row in rows[0]],
-                           [statistics.fmean(r[i][f"rewards/{key}"] for r in rows) / beta for i in range(len(rows[0]))],
-                           label=f"{key}: mean log pi - log pi_ref")
-                logps.axhline(statistics.fmean(row[f"logps/{key}"] for r in rows for row in r), ls=":", lw=1,
-                              color=logps.lines[-1].get_color(), label=f"{key}: mean summed log pi (a level)")
-    by_step.set(xlabel="step", ylabel="held-out sampled accuracy, % (mean; band: range over seeds)")
-    by_time.set(xlabel="minutes (time/elapsed, evaluations included)", ylabel="held-out sampled accuracy, %")
-    logps.set(xlabel="step", ylabel="nats", title="offline DPO: the chosen and the rejected answers")
-    for ax in (by_step, by_time, logps):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"from {args.sft}, seeds {', '.join(map(str, args.seeds))}")
-    fig.tight_layout()
-    fig.savefig(os.path.join(ROOT, args.figure), dpi=110)
-    print(f"figure: {args.figure}")
+    path = os.path.join(ROOT, args.docs, "syllabus.json")
+    if args.report:
+        with open(path) as f:
+            saved = json.load(f)
+        results, seeds = saved["results"], saved["seeds"]
+    else:
+        done = {(m, seed): run(m, seed, args.out) for seed in args.seeds for m in args.methods}  # a seed at a time
+        saved = read_json(path) if args.add else {"seeds": [], "starts": {}, "results": {}}
+        saved["results"].update({m: [done[m, seed] for seed in args.seeds] for m in args.methods})
+        saved["seeds"] = sorted(set(saved["seeds"]) | set(args.seeds))
+        for seed in args.seeds:  # each start's own final evaluation: the SFT models and the reward model
+            saved["starts"].setdefault(str(seed), {}).update({
+                name: read_json(f"{args.out}/{name}/{seed}/eval.json") for name in ("sft", "rm", "sft_perfect")
+                if os.path.isfile(os.path.join(ROOT, args.out, name, str(seed), "eval.json"))})
+        with open(path, "w") as f:
+            json.dump(saved, f, indent=1)
+        results, seeds = saved["results"], saved["seeds"]
+    print(table(results), "", controls_table(results), sep="\n")
+    figures(results, seeds, args.docs)
+    print(f"figures: {args.docs}/syllabus.png, {args.docs}/controls.png; summaries: {path}")
 
 
 if __name__ == "__main__":

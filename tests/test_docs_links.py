@@ -2,6 +2,7 @@
 to a heading (file.md#heading) at a heading that exists (GitHub's anchors: lower case, punctuation
 dropped, spaces as hyphens)."""
 import glob
+import json
 import os
 import re
 
@@ -39,6 +40,39 @@ def test_every_relative_link_and_anchor_exists():
     assert not broken, "\n".join(broken)
 
 
-def test_the_readme_is_a_half_hour_read():
+def test_the_readme_is_a_course_entry_point():
+    """A half-hour read that opens with the reading path: its first section is "Start here"."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        assert len(f.read().splitlines()) <= 400
+        lines = f.read().splitlines()
+    assert len(lines) <= 300
+    assert [line for line in lines if line.startswith("## ")][0] == "## Start here"
+
+
+# Words about how the project was made, not about what it is: a reader cannot know what "the issue" or
+# "the aim" was, and a dated aside ("down from 2050 s the day before") is a lab notebook, not a course.
+PROCESS = re.compile(r"\bthe issue\b|\bissue's\b|\bthe aim\b|as this repo had|the day before|\btoday\b|"
+                     r"\bsession\b|\bhoped\b|\btarget was\b|\bdown from\b", re.IGNORECASE)
+
+
+def reader_texts():
+    """(name, text) of every page and notebook markdown cell a reader sees."""
+    for page in PAGES:
+        with open(page, encoding="utf-8") as f:
+            yield os.path.relpath(page, ROOT), f.read()
+    for path in sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb"))):
+        with open(path, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "markdown":
+                yield f"{os.path.relpath(path, ROOT)} cell {i}", "".join(cell["source"])
+
+
+def test_no_project_process_language_where_a_reader_sees_it():
+    found = [f"{name}: {match.group()!r} in ...{text[max(0, match.start() - 40):match.end() + 40]!r}..."
+             for name, text in reader_texts() for match in PROCESS.finditer(text)]
+    assert not found, "\n".join(found)
+
+
+def test_the_process_check_can_fail():
+    assert PROCESS.search("the issue's target was 5 minutes") and PROCESS.search("down from 2050 s the day before")
+    assert not PROCESS.search("the critic's target R_t, a known issue")

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import statistics
+import sys
 
 import pytest
 
@@ -30,23 +31,9 @@ def number(cell: str) -> float:
     return float(re.search(r"-?\d+(\.\d+)?", cell.replace(",", "")).group())
 
 
-def test_readme_step_time_is_the_speed_tables_grpo_row():
-    step, generation, forward, rest = (number(c) for c in table_row(read("docs", "speed.md"), "grpo.py")[1:5])
-    readme = read("README.md")
-    quoted = re.search(r"A GRPO step takes\s+([\d.]+) s here \(([\d.]+) s generation, ([\d.]+) s forward passes, "
-                       r"([\d.]+) s backward", readme)
-    assert quoted, "the README's GRPO step-time sentence moved: update this test"
-    assert [float(x) for x in quoted.groups()] == [step, generation, forward, rest]
-    # each column is a median over the steps: the parts' medians need not add up to the step's median,
-    # but they come from the same steps, so they cannot stray far (the table rounds each to 0.01)
-    assert generation + forward + rest == pytest.approx(step, rel=0.05)
-
-
-def test_readme_speed_ratio_is_the_speed_pages():
+def test_speed_ratio_is_the_speed_tables():
     page = re.search(r"grpo.py generates ([\d.]+)x the completions per second", read("docs", "speed.md"))
-    readme = re.search(r"grpo.py generates ([\d.]+)x the completions per second", read("README.md"))
-    assert page and readme
-    assert float(readme.group(1)) == round(float(page.group(1)), 1)
+    assert page
     ours, trl = (number(table_row(read("docs", "speed.md"), name)[5]) for name in ("grpo.py", "TRL GRPOTrainer"))
     assert ours / trl == pytest.approx(float(page.group(1)), abs=0.01)
 
@@ -89,15 +76,32 @@ def test_the_careless_teachers_share_of_wrong_answers():
     assert right and float(right.group(1)) == round(100 * (total - wrong) / total, 1)
 
 
-def test_readme_syllabus_gains_are_the_dpo_pages_table():
-    """README's side-by-side gains (DPO's item) are the gain column of docs/dpo.md's table."""
-    readme, page = read("README.md"), read("docs", "dpo.md")
-    quoted = re.search(r"gained \*\*([-\d.]+) points with GRPO\*\*,\s+([-\d.]+) with RLOO, ([-\d.]+) with REINFORCE\+\+"
-                       r".*?\*\*([-\d.]+) with online DPO\*\*.*?([-\d.]+) with RM \+ PPO, ([-\d.]+) with\s+offline DPO"
-                       r".*?\*\*([-\d.]+) with online DPO judged", readme, re.DOTALL)
-    assert quoted, "the README's syllabus sentence moved: update this test"
-    methods = ["grpo", "rloo", "reinforce_pp", "dpo_online_rule", "rm_ppo", "dpo_offline", "dpo_online_rm"]
-    assert [float(g) for g in quoted.groups()] == [number(table_row(page, m)[5]) for m in methods]
+def test_dpo_page_counts_the_shipped_pairs_whose_rejected_answer_is_the_teachers_slip():
+    """docs/dpo.md says how many shipped preference pairs reject exactly the careless teacher's answer
+    (data/make_data.py's "careless" kind, which the SFT policy writes): solve each problem carelessly
+    and count the pairs whose rejected answer is that (and differs from the chosen one)."""
+    sys.path.insert(0, os.path.join(ROOT, "data"))
+    import make_data
+
+    careless = total = 0
+    with open(os.path.join(ROOT, "data", "preference", "train.jsonl"), encoding="utf-8") as f:
+        for row in map(json.loads, f):
+            a, op, b = re.match(r"What is (-?\d+) ([+-]) (-?\d+)\?", row["prompt"]).groups()
+            slip = make_data.completion(*make_data.solve(int(a), op, int(b), careless=True))
+            careless += row["rejected"] == slip != row["chosen"]
+            total += 1
+    quoted = f"Of its {total:,} rejected answers, {careless} ({100 * careless / total:.1f}%) are the careless teacher's"
+    assert quoted in " ".join(read("docs", "dpo.md").split())
+
+
+def test_dpo_pages_tables_are_the_committed_syllabus_runs():
+    """docs/dpo.md's side-by-side and controls tables are what benchmarks/syllabus.py prints from the
+    committed docs/syllabus.json (each run's evaluations, settings and cost)."""
+    syllabus = load_benchmark("syllabus")
+    saved, page = json.loads(read("docs", "syllabus.json")), read("docs", "dpo.md")
+    assert saved["seeds"] == [0, 1, 2]
+    assert syllabus.table(saved["results"]) in page
+    assert syllabus.controls_table(saved["results"]) in page
 
 
 def smollm2_evals(name: str, stage: str = "grpo") -> list[dict]:
@@ -132,7 +136,7 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     steps, folders seed0-seed2) and the 30-step chains they replaced (sft30-seed0-2), from their
     metrics.jsonl: each GRPO gain and their mean, where GRPO starts and ends, and how far sampled and
     greedy accuracy stand apart at the start and at the end over all six chains; and the three 120-step
-    chains' ends and gains, quoted as the best models; the README's sentence on the three seeds."""
+    chains' ends and gains, quoted as the best models."""
     def evals(name):  # [(sampled %, greedy %)] at each of the GRPO run's evaluations
         return [(100 * row["eval/accuracy_sampled"], 100 * row["eval/accuracy_greedy"]) for row in smollm2_evals(name)]
 
@@ -157,9 +161,6 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     start_gaps = [abs(run[0][1] - run[0][0]) for run in new + old]
     assert (f"sampled and greedy end {min(end_gaps):.1f} to {max(end_gaps):.1f} points apart, from "
             f"{min(start_gaps):.1f} to {max(start_gaps):.1f} apart at GRPO's step 0") in page
-    readme = " ".join(read("README.md").split())
-    assert (f"GRPO adds {gains[0]:.1f}, {gains[1]:.1f} and {gains[2]:.1f} points of held-out sampled accuracy on "
-            f"seeds 0, 1 and 2 (64 problems), ending at {span([run[-1][0] for run in new])};") in readme
     best = [evals(f"sft120-seed{seed}") for seed in range(3)]
     assert (f"120 SFT steps ({best[0][-1][0]:.1f}%, {best[1][-1][0]:.1f}% and {best[2][-1][0]:.1f}% sampled after "
             f"GRPO on seeds 0, 1 and 2, `sft120-seed0` to `-seed2`), most of it SFT's work (GRPO added "
@@ -167,11 +168,11 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
             f"{best[2][-1][0] - best[2][0][0]:+.1f})") in page
 
 
-def test_readme_by_kind_table_and_its_figures_are_the_committed_run():
-    """The README's accuracy by kind of problem is benchmarks/by_kind.py's table of the committed
+def test_by_kind_table_and_its_figures_are_the_committed_run():
+    """docs/experiments.md's accuracy by kind of problem is benchmarks/by_kind.py's table of the committed
     docs/by_kind.json; the sentence after it quotes its carry row and the teacher's carelessness."""
     by_kind = load_benchmark("by_kind")
-    run, readme = json.loads(read("docs", "by_kind.json")), read("README.md")
+    run, readme = json.loads(read("docs", "by_kind.json")), read("docs", "experiments.md")
     assert by_kind.table(run) in readme
     careless = re.search(r'"--careless", type=float, default=([\d.]+)', read("data", "make_data.py")).group(1)
     sft, grpo = run["SFT"]["carry"], run["GRPO"]["carry"]
@@ -243,3 +244,80 @@ def test_scaling_gpu_figures_are_the_committed_h100_run():
             f"{statistics.median(seconds('call1', 2, 40)):.2f} s, over steps 41-109 "
             f"{statistics.median(seconds('call1', 41, 109)):.2f} s") in " ".join(page.split())
     assert f"{statistics.median(seconds('call2', 2, 40)):.2f} s over steps 2-40" in page
+
+
+def test_the_pages_quote_the_committed_syllabus_runs():
+    """Every figure the README and docs/dpo.md quote from the side-by-side and its controls is what the
+    committed docs/syllabus.json says: the gains, the ties, the log-probs, the clip fractions, the pairs."""
+    syllabus = load_benchmark("syllabus")
+    results = json.loads(read("docs", "syllabus.json"))["results"]
+    page, readme = (" ".join(read(*path).split()) for path in (("docs", "dpo.md"), ("README.md",)))
+
+    def gain(method):  # the mean gain over the seeds, as the table prints it
+        return f"{statistics.fmean(syllabus.gains(results[method])):.1f}"
+
+    def per_seed(method, key):
+        return [run[key] for run in results[method]]
+
+    def span(values, fmt="{:.1f}"):
+        return f"{fmt.format(min(values))} to {fmt.format(max(values))}"
+
+    ties = [f"{100 * m['online/ties']:.0f}%" for m in per_seed("dpo_online_rule", "means")]
+    assert (f"PPO gained {gain('rm_ppo')} points with the reward model and {gain('rule_ppo')} with the checker's own "
+            f"reward in its place (`--reward_model rule`), GRPO {gain('grpo')}") in readme
+    assert f"gain about the same**: {gain('grpo')}, {gain('mix')} and {gain('dpo_online_rule')} points" in page
+    assert f"{ties[0]}, {ties[1]} and {ties[2]} of its pairs were ties" in page
+    starts = [run["evals"][0] for run in results["grpo"]]
+    assert (f"sample {starts[0]['sampled']:.1f}%, {starts[1]['sampled']:.1f}% and {starts[2]['sampled']:.1f}% right "
+            f"at step 0 (and {starts[0]['greedy']:.1f}%, {starts[1]['greedy']:.1f}% and {starts[2]['greedy']:.1f}% "
+            "greedy)") in page
+    beta = results["dpo_offline"][0]["settings"]["beta"]
+    rejected = [m["rewards/rejected"] / beta for m in per_seed("dpo_offline", "last10")]
+    assert f"falls (to {max(rejected):.2f} to {min(rejected):.2f} nats" in page
+    for method, key, quoted in [
+            ("dpo_offline", "logps/chosen", "chosen ones had a summed log-prob of {} to {}"),
+            ("dpo_offline", "logps/rejected", "the shipped rejected ones {} to {}"),
+            ("dpo_own_pairs", "logps/rejected", "rejected answers start at a summed log-prob of {} to {}")]:
+        values = [m[key] for m in per_seed(method, "first")]
+        digits = 2 if key == "logps/chosen" else 1
+        assert quoted.format(f"{max(values):.{digits}f}", f"{min(values):.{digits}f}") in page, (method, key)
+    hacked = syllabus.gains(results["dpo_online_rm"])
+    rises = [run["evals"][1]["sampled"] > run["evals"][0]["sampled"] for run in results["dpo_online_rm"]]
+    falls = [run["evals"][2]["sampled"] < run["evals"][1]["sampled"] for run in results["dpo_online_rm"]]
+    assert all(rises) and all(falls)
+    assert f"({hacked[0]:+.1f}, {hacked[1]:+.1f} and {hacked[2]:+.1f} points at the end)".replace("(+", "(") in page
+    assert f"PPO on them gained {span(syllabus.gains(results['rm_ppo']))}" in page
+    rm_ties = [100 * m["online/ties"] for m in per_seed("dpo_online_rm", "means")]
+    assert f"two identical samples ({min(rm_ties):.0f}% to {max(rm_ties):.0f}% of the pairs here)" in page
+    # the controls
+    rows = {line.split("|")[1].strip(): line for line in syllabus.controls_table(results).splitlines()[2:]}
+    difference = {name: row.split("|")[5].strip() for name, row in rows.items()}
+    assert f"as on the reward model ({difference['rule_ppo']}; per seed" in page
+    assert f"against GRPO's {gain('grpo')}" in page
+    assert f"at that rate** (+{gain('dpo_own_pairs')} points" in page
+    assert f"made the {difference['dpo_own_pairs'].lstrip('+')} points between the two rows" in page
+    pairs = [f"{run['own_pairs']['pairs']:,}" for run in results["dpo_own_pairs"]]
+    assert f"({pairs[0]}, {pairs[1]} and {pairs[2]} pairs from 4,000 prompts" in page
+    assert f"gained {difference['grpo_4_iterations'].lstrip('+')} points more than with one" in page
+    assert f"mini-batches {difference['rm_ppo_4_updates'].lstrip('+')} more" in page
+    clipped = {m: [100 * run["means"][key] for run in results[m]]
+               for m, key in (("grpo_4_iterations", "clip_fraction"), ("rm_ppo_4_updates", "clip_fraction/actor"))}
+    assert (f"The clip acted on {span(clipped['grpo_4_iterations'], '{:.2f}%')} of GRPO's tokens and "
+            f"{span(clipped['rm_ppo_4_updates'], '{:.2f}%')} of PPO's") in page
+    # the perfect teacher, and the starts (each SFT model's own final evaluation)
+    saved = json.loads(read("docs", "syllabus.json"))
+    starts, experiments = saved["starts"], " ".join(read("docs", "experiments.md").split())
+    perfect = [f"{100 * starts[s]['sft_perfect']['accuracy_sampled']:.1f}%" for s in "01"]
+    own = [f"{100 * starts[s]['sft']['accuracy_sampled']:g}%" for s in "01"]
+    gains = syllabus.gains(results["grpo_perfect_teacher"])
+    row = f"{statistics.fmean(syllabus.gains([r for r in results['grpo'] if r['seed'] in (0, 1)])):.1f}"
+    assert (f"samples {perfect[0]} and {perfect[1]} right on seeds 0 and 1 (careless teacher: {own[0]} and {own[1]}), "
+            f"and 40 GRPO steps at the default learning rate then gain {statistics.fmean(gains):.1f} points "
+            f"({gains[0]:+.1f} and {gains[1]:+.1f})".replace("(+", "(")
+            + f" against {row} from the careless start") in page
+    assert (f"which samples {perfect[0]} and {perfect[1]} right on seeds 0 and 1, 40 GRPO steps at the default "
+            f"learning rate gained {statistics.fmean(gains):.1f} points, against {row} from the") in experiments
+    sft = [(100 * starts[s]["sft"]["accuracy_greedy"], 100 * starts[s]["sft"]["accuracy_sampled"]) for s in "012"]
+    assert (f"ends at {sft[0][0]:.1f}% / {sft[0][1]:.1f}%" in experiments and
+            f"end at {sft[1][0]:.1f}% / {sft[1][1]:g}% and {sft[2][0]:.1f}% / {sft[2][1]:.1f}% there" in experiments)
+    assert f"SFT seed 0 ends at {sft[0][0]:.1f}% greedy / {sft[0][1]:.1f}% sampled here" in page
