@@ -320,4 +320,4 @@ def test_the_pages_quote_the_committed_syllabus_runs():
     sft = [(100 * starts[s]["sft"]["accuracy_greedy"], 100 * starts[s]["sft"]["accuracy_sampled"]) for s in "012"]
     assert (f"ends at {sft[0][0]:.1f}% / {sft[0][1]:.1f}%" in experiments and
             f"end at {sft[1][0]:.1f}% / {sft[1][1]:g}% and {sft[2][0]:.1f}% / {sft[2][1]:.1f}% there" in experiments)
-    assert f"SFT seed 0 ends at {sft[0][0]:.1f}% greedy / {sft[0][1]:.1f}% sampled here" in page
+    assert f"SFT seed 0 ends at {sft[0][0]:.1f}% greedy / {sft[0][1]:.1f}% sampled on this VM" in page
