@@ -21,21 +21,26 @@ def fail(message: str):
 
 def check_settings(cfg):
     """One clear sentence for the first setting that cannot work (before anything is loaded or written):
-    every float must be finite, and each field declared with `setting` must pass its own check."""
+    every float must be finite, each field declared with `setting` must pass its own check, and the
+    settings that only work together must agree (the Config's check_together)."""
     for field in dataclasses.fields(cfg):
-        value = getattr(cfg, field.name)
+        value, check = getattr(cfg, field.name), declared_check(type(cfg), field.name)
         if isinstance(value, float) and not math.isfinite(value):
             fail(f"--{field.name} must be a finite number, not {value}")
-        if "usable" in field.metadata and not field.metadata["usable"](value):
-            fail(f"--{field.name} must be {field.metadata['must_be']}, not {value!r}" if isinstance(value, str)
-                 else f"--{field.name} must be {field.metadata['must_be']}, not {value}")
-    # settings that only work together (grpo.py, mix.py)
-    if getattr(cfg, "loss_type", None) == "cispo" and (cfg.epsilon_high is None or
-                                                        cfg.importance_sampling_level != "token"):
-        fail("--loss_type cispo caps each token's ratio at --epsilon_high, an absolute cap (MiniMax-M1 and TRL "
-             "suggest 5.0): set it, and keep --importance_sampling_level token")
-    if getattr(cfg, "advantage_estimator", "grpo") != "grpo" and cfg.scale_rewards != "group":
-        fail(f"--scale_rewards belongs to --advantage_estimator grpo; {cfg.advantage_estimator} has its own scale")
+        if check and value is not None and not check["usable"](value):  # None: left unset, as its default
+            fail(f"--{field.name} must be {check['must_be']}, not {value!r}" if isinstance(value, str)
+                 else f"--{field.name} must be {check['must_be']}, not {value}")
+    cfg.check_together()  # settings that only work together: the script's Config says which
+
+
+def declared_check(config_class, name: str) -> dict | None:
+    """The check a field was declared with (`setting`), in the script's Config or in the harness.RunConfig
+    it extends (a script that only changes a run setting's default keeps the run's check)."""
+    for cls in config_class.__mro__:
+        field = getattr(cls, "__dataclass_fields__", {}).get(name)
+        if field is not None and "usable" in field.metadata:
+            return field.metadata
+    return None
 
 
 def check_fsdp(cfg, world_size: int):

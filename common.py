@@ -1,7 +1,7 @@
 """The helpers every script shares: config parsing, the embedded tokenizer and tiny model, model
 loading (a folder, a hub id, a LoRA adapter, a .gguf file), LoRA and its reference policy, the data
-(GSM8K's schema) and the chat prompt, the answer checker, the token count of a token mean, the
-learning-rate schedule and held-out evaluation.
+(GSM8K's schema, loaded and checked with the policy in load_policy_and_prompts) and the chat prompt,
+the answer checker, the denominator of a token mean, the learning-rate schedule and held-out evaluation.
 
 Each algorithm (SFT, reward model, PPO, GRPO, MIX, DPO) lives in its own script; the rollout and the
 log-prob pass in rollout.py. What a training run needs that is not the algorithm lives apart:
@@ -51,30 +51,44 @@ datasets.disable_progress_bars()
 # ---------------------------------------------------------------------------------------------
 def parse_config(config_class, args=None):
     """Build an argparse parser from a dataclass, CleanRL style: each field's help text is the
-    string literal written under it, so `python grpo.py --help` documents every field."""
-    try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(config_class))).body[0].body
-    except (OSError, TypeError):  # no source file (e.g. a class typed into a REPL): no help texts
-        body = []
-    docs = {
-        node.target.id: nxt.value.value
-        for node, nxt in zip(body, body[1:])
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-    }
+    string literal written under it, so `python grpo.py --help` documents every field. A script's
+    Config extends harness.RunConfig: its own fields are listed first, then the run's; a run
+    setting whose default the script changes may add a sentence of its own below the new default."""
+    docs = {}  # field -> [help of its declaration, the script's added sentence]
+    for cls in reversed([c for c in config_class.__mro__ if dataclasses.is_dataclass(c)]):
+        for name, text in _field_docs(cls).items():
+            docs.setdefault(name, []).append(text)
     script_doc = sys.modules["__main__"].__doc__
     parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    base = next((c for c in config_class.__mro__[1:] if dataclasses.is_dataclass(c)), None)
+    run_fields = {f.name for f in dataclasses.fields(base)} if base else set()
+    groups = {False: parser.add_argument_group(f"{os.path.basename(inspect.getfile(config_class))}'s settings"),
+              True: parser.add_argument_group("the run's settings (harness.py)")}
     for field in dataclasses.fields(config_class):
         kind = field.type
         if isinstance(kind, types.UnionType):  # `int | None`: parse an int, None when left out
             kind = next(t for t in kind.__args__ if t is not type(None))
         kind = _to_bool if kind is bool else kind  # argparse's bool("False") would be True
-        parser.add_argument(
+        groups[field.name in run_fields].add_argument(
             f"--{field.name}",
             type=kind,
             default=field.default,
-            help=f"{docs.get(field.name, '')} (default: %(default)s)",
+            help=f"{'; '.join(docs.get(field.name, []))} (default: %(default)s)",
         )
     return config_class(**vars(parser.parse_args(args)))
+
+
+def _field_docs(cls) -> dict:
+    """{field: the string literal written under it} in this class's own source (empty without one)."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):  # no source file (e.g. a class typed into a REPL): no help texts
+        return {}
+    return {
+        node.target.id: nxt.value.value
+        for node, nxt in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+    }
 
 
 def _to_bool(text: str) -> bool:
@@ -318,6 +332,19 @@ def load_splits(dataset: str, columns=("question", "answer"), num_eval_examples:
     return train, test
 
 
+def load_policy_and_prompts(cfg, per_step: int, columns=("question", "answer")):
+    """What an RL script starts from, loaded and checked in one place: the prompts' train and test
+    splits (load_splits: --dataset, cut to --num_eval_examples), the policy --model and its tokenizer
+    (load_model), and the longest prompt in tokens, which must fit the model's context with
+    --max_completion_length (check_prompts_fit). Returns (train, test, model, tokenizer, longest)."""
+    train, test = load_splits(cfg.dataset, columns, cfg.num_eval_examples, per_step)
+    model, tokenizer = load_model(cfg.model, missing_hint="run `python sft.py` first",
+                                  trust_remote_code=cfg.trust_remote_code)
+    questions = list(train[columns[0]]) + list(test[columns[0]])
+    longest = check_prompts_fit(model, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
+    return train, test, model, tokenizer, longest
+
+
 def load_split(dataset: str, split: str, columns=("question", "answer"), config_name: str = "main"):
     """One split as a datasets.Dataset: `<dataset>/<split>.jsonl` if `dataset` is a local folder,
     else the hub dataset (openai/gsm8k has config 'main' and splits 'train' / 'test'). Every row
@@ -454,11 +481,12 @@ def check_prompts_fit(model, tokenizer, questions, system_prompt: str, max_compl
 # ---------------------------------------------------------------------------------------------
 # Training and evaluation: the token mean, the schedule, held-out accuracy
 # ---------------------------------------------------------------------------------------------
-def token_count(mask: torch.Tensor) -> torch.Tensor:
-    """The denominator of a token mean: mask.sum() in one process; with N processes, the token
-    count of the whole batch divided by N. Each process divides its own token sum by it, so the
-    mean of the N losses, and of their gradients (distributed.average_gradients), is the sum over
-    all tokens of the global batch divided by their number: the loss of one process on all of it."""
+def mean_denominator(mask: torch.Tensor) -> torch.Tensor:
+    """The denominator of a mean over the 1s of mask (tokens, or dpo.py's counted pairs): mask.sum()
+    in one process; with N processes, the count of the whole batch divided by N. Each process
+    divides its own sum by it, so the mean of the N losses, and of their gradients
+    (distributed.average_gradients), is the sum over the whole global batch divided by its count:
+    the loss of one process on all of it."""
     count = global_sum(mask.sum().float())
     return (count / distributed.world_size()).clamp(min=1)
 

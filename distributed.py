@@ -98,7 +98,7 @@ def average_gradients(model):
     """Data parallelism, as torch's DistributedDataParallel does it (there overlapped with the
     backward pass): every process holds the same weights and backpropagates its own share of
     the batch; averaging the gradients over processes gives every process the same update, so
-    the weights stay identical. Token means divide by common.token_count, which makes this average
+    the weights stay identical. Token means divide by common.mean_denominator, which makes this average
     exactly the gradient of one loss over the whole global batch. Call it after backward().
     A sharded model (--fsdp) needs nothing here: FSDP averaged its gradients in the backward pass."""
     if dist.is_initialized() and not is_sharded(model):

@@ -62,22 +62,11 @@ LOSS_TYPES = ("sigmoid", "ipo", "simpo")  # TRL's names: DPOTrainer's sigmoid an
 
 
 @dataclass
-class Config:
-    model: str = "out/sft"
-    """policy to start from (and the reference pi_ref): a folder written by sft.py, or a hub id"""
-    dataset: str = "data/preference"
-    """offline pairs: a folder with train.jsonl / test.jsonl of prompt / chosen / rejected, or a hub dataset
-    (Dahoas/rm-static); not read with --online true"""
+class Config(harness.RLConfig):
+    """DPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
     prompts: str = "data/arithmetic"
     """a folder in GSM8K's schema (question / answer): online DPO's prompts (train split) and every run's
     held-out accuracy (test split)"""
-    output_dir: str = "out/dpo"
-    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each prompt (use the same as for sft.py)"""
     online: bool = False
     """online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer): each step's pairs are two samples of the current
     policy per prompt, ranked by --judge, instead of the fixed pairs of --dataset"""
@@ -92,69 +81,22 @@ class Config:
     default 0.1; IPO's target margin is 1 / (2 beta); the SimPO paper uses 2 to 2.5)"""
     simpo_gamma: float = setting(0.5, lambda v: v >= 0, "0 or more")
     """SimPO's target margin gamma between the chosen and rejected length-normalised rewards (TRL's default)"""
-    max_steps: int = setting(150, lambda v: v >= 1, "at least 1")
-    """optimizer steps"""
-    per_device_train_batch_size: int = setting(64, lambda v: v >= 1, "at least 1")
-    """pairs per forward pass (a micro-batch), per process; each pair is two rows (online: a prompt sampled twice)"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per optimizer step: a step's pairs are per_device_train_batch_size x
-    gradient_accumulation_steps (x processes); accumulation changes memory, not the result"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """offline pairs whose prompt + longer answer is longer than this many tokens are dropped"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens per sample (online rollout and held-out evaluation)"""
-    temperature: float = setting(1.0, lambda v: v > 0, "positive")
-    """sampling temperature of the online rollout (the log-probs are those of the same distribution)"""
-    learning_rate: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out for the default)")
-    """peak learning rate of AdamW; unset: 5e-5 with --online, 5e-6 offline (from out/sft, offline DPO at 5e-5
+    # the run's settings (harness.py) at this script's defaults
+    model: str = "out/sft"
+    """the policy, and the reference pi_ref"""
+    dataset: str = "data/preference"
+    """offline pairs of prompt / chosen / rejected (Dahoas/rm-static); not read with --online true"""
+    output_dir: str = "out/dpo"
+    max_steps: int = 150
+    per_device_train_batch_size: int = 64
+    """a row is one pair (two sequences; online: a prompt sampled twice)"""
+    learning_rate: float | None = None
+    """unset: 5e-5 with --online, 5e-6 offline (from out/sft, offline DPO at 5e-5
     collapses the policy: docs/dpo.md)"""
-    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """AdamW weight decay"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm"""
-    eval_steps: int = setting(50, lambda v: v >= 1, "at least 1")
-    """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """completions generated at once during evaluation (lower it for a large model)"""
-    eval_on_start: bool = True
-    """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
-    """with --online true, every this many steps, write the step's prompts, samples and judge scores to
-    completions.jsonl (0 = never)"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy);
-    unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the weights of the policy, the reference and the judge, and the gradients and AdamW
-    states, over the processes (FSDP2), instead of a full copy on each (data parallelism); the saved model is
-    whole, resumable checkpoints are sharded"""
-    save_steps: int = setting(50, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    eval_steps: int = 50
+    save_steps: int = 50
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,50 +116,29 @@ def implicit_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) 
 
 
 def sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float) -> torch.Tensor:
-    """DPO (Rafailov et al. 2023, eq. 7; TRL loss_type 'sigmoid'), per pair:
-
+    """DPO (Rafailov et al. 2023, eq. 7; TRL loss_type 'sigmoid'), per pair, all arguments [B] -> [B]:
         h    = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
         loss = -log sigmoid(beta * h)
-
-    the Bradley-Terry loss of note 000 on the implicit rewards (r_c - r_r = beta * h). Its gradient
-    with respect to log pi(y_c) is -beta * sigmoid(-beta * h) (and the opposite for y_r): a pair the
-    implicit reward already ranks right by a wide margin weighs little, a pair it ranks wrong up to
-    beta. At the start pi = pi_ref, so h = 0 and every loss is log 2. All arguments [B]."""
+    Its gradient, and its value at the start: docs/dpo.md#dpo-the-sigmoid-loss"""
     h = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
     return -F.logsigmoid(beta * h)
 
 
 def ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths,
              beta: float) -> torch.Tensor:
-    """IPO (Azar et al. 2023, eq. 17; TRL loss_type 'ipo'), per pair:
-
+    """IPO (Azar et al. 2023, eq. 17; TRL loss_type 'ipo'), per pair, all [B] -> [B]; |y| counts EOS:
         h    = (log pi(y_c) - log pi_ref(y_c)) / |y_c| - (log pi(y_r) - log pi_ref(y_r)) / |y_r|
         loss = (h - 1 / (2 beta))^2
-
-    DPO's logistic loss keeps pushing h up as long as a pair is ranked at all (its minimum is at
-    h = infinity), which on pairs that are always ranked the same way drives the rejected answer's
-    probability under pi to zero, whatever beta is (Azar et al. 2023); IPO's squared loss stops at a
-    finite target margin 1 / (2 beta) (beta = 0.1: 5 nats per token), a regression target instead of
-    a classification. The log-ratios are divided by the answers' token counts (|y|, EOS included),
-    as TRL's DPOTrainer does (its comment: confirmed with the IPO authors); TRL's OnlineDPOTrainer
-    uses the sums. All [B]."""
+    Why a finite target, and why per token: docs/dpo.md#ipo-a-target-margin"""
     h = (chosen_logps - ref_chosen_logps) / chosen_lengths - (rejected_logps - ref_rejected_logps) / rejected_lengths
     return (h - 1 / (2 * beta)) ** 2
 
 
 def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta: float,
                gamma: float) -> torch.Tensor:
-    """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer, loss_type 'simpo' with cpo_alpha 0), per pair:
-
+    """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer, loss_type 'simpo' with cpo_alpha 0), per pair, all [B] -> [B]:
         loss = -log sigmoid(beta * (log pi(y_c) / |y_c| - log pi(y_r) / |y_r|) - gamma)
-
-    What it changes from DPO: the reward is the average log-prob per token, beta * log pi(y|x) / |y|,
-    with no reference model (one model in memory, no reference pass); DPO's implicit reward, a summed
-    log-ratio, scales with the length and does not match the per-token likelihood that generation
-    follows, and dividing by |y| removes that dependence (a sum of log-probs falls, growing more
-    negative, with |y|); and the margin gamma asks chosen to beat rejected by at least gamma / beta
-    nats per token, not just by anything. Without pi_ref nothing anchors the policy but the data.
-    All [B]."""
+    No reference model. What it changes from DPO: docs/dpo.md#simpo-no-reference-model"""
     margin = chosen_logps / chosen_lengths - rejected_logps / rejected_lengths
     return -F.logsigmoid(beta * margin - gamma)
 
@@ -247,8 +168,8 @@ def rule_judge(completions: list[str], answers: list[str]) -> torch.Tensor:
 def reward_model_judge(judge_model, input_ids, attention_mask, batch_size: int) -> torch.Tensor:
     """A reward model written by reward_model.py as the judge: its score r(x, y) of each row
     (reward_model.sequence_scores, at the last real token), batch_size rows at a time. [2B]"""
-    return torch.cat([reward_model.sequence_scores(judge_model, input_ids[rows], attention_mask[rows])
-                      for rows in torch.arange(len(input_ids)).split(batch_size)]).cpu()
+    return rollout.inference(reward_model.sequence_scores, judge_model, input_ids, attention_mask,
+                             micro_batches=torch.arange(len(input_ids)).split(batch_size)).cpu()
 
 
 def rank_pairs(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,6 +181,31 @@ def rank_pairs(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(len(first)) * 2
     chosen = torch.where(first >= second, rows, rows + 1)
     return torch.cat([chosen, chosen ^ 1]), (first != second).float()  # rows 2i and 2i + 1 differ in the last bit
+
+
+def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg):
+    """Online DPO's step 1 for the B prompts of step_data: two samples of each from the current
+    policy, scored by the judge (the checker, or judge_model) and put in pair order, the B chosen
+    rows then the B rejected (rank_pairs). Returns input_ids, attention_mask [2B, P+T], T, the pairs'
+    weights [B] (0 for a tie), the online metrics, and the completions to log."""
+    texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
+             for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
+        model, tokenizer, texts, cfg.max_completion_length, cfg.temperature)  # [2B, P], [2B, P], [2B, T] x 2
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [2B, P+T], sample a and b of each prompt
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    answers = [a for a in step_data["answer"] for _ in range(2)]
+    correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
+    scores = (correct if judge_model is None else  # [2B]
+              reward_model_judge(judge_model, input_ids, attention_mask, cfg.per_device_train_batch_size))
+    order, weights = rank_pairs(scores)  # [2B]: chosen rows then rejected rows; [B]: 0 for a tie
+    order = order.to(input_ids.device)
+    metrics = {"online/pairs": weights.sum().item(), "online/ties": 1 - weights.mean().item(),
+               "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
+               **({"score": scores.mean().item()} if judge_model is not None else {})}
+    completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
+    return input_ids[order], attention_mask[order], completion_ids.shape[1], weights, metrics, completions
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
@@ -302,6 +248,19 @@ def load_data(cfg, per_step: int):
     return pairs, (prompts if cfg.online else None), test_data
 
 
+def tokenize_offline_pairs(cfg, pairs, model, tokenizer, per_step: int):
+    """The shipped pairs as (prompt ids, chosen ids + EOS, rejected ids + EOS), too-long ones dropped
+    (reward_model.tokenize_pairs), checked: a step's worth of them, and the longest within the context.
+    Returns the pairs and the longest pair's tokens."""
+    pairs = reward_model.tokenize_pairs(tokenizer, pairs, cfg.system_prompt, cfg.max_length, f"{cfg.dataset} train")
+    if len(pairs) < per_step:
+        common.fail(f"{cfg.dataset} has {len(pairs)} training pairs that fit in --max_length {cfg.max_length}, "
+                    f"fewer than a step's --per_device_train_batch_size x --gradient_accumulation_steps ({per_step})")
+    longest_pair = max(len(p) + max(len(c), len(r)) for p, c, r in pairs)
+    common.check_fits_context(model, longest_pair, f"the longest pair of {cfg.dataset}")
+    return pairs, longest_pair
+
+
 def main(cfg: Config):
     judge_path = cfg.judge if cfg.online and cfg.judge != "rule" else ""
     run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset, "--prompts": cfg.prompts,
@@ -316,12 +275,7 @@ def main(cfg: Config):
     longest = common.check_prompts_fit(model, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length,
                                        cfg.prompts)
     if not cfg.online:  # (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs dropped
-        pairs = reward_model.tokenize_pairs(tokenizer, pairs, cfg.system_prompt, cfg.max_length, f"{cfg.dataset} train")
-        if len(pairs) < B:
-            common.fail(f"{cfg.dataset} has {len(pairs)} training pairs that fit in --max_length {cfg.max_length}, "
-                        f"fewer than a step's --per_device_train_batch_size x --gradient_accumulation_steps ({B})")
-        longest_pair = max(len(p) + max(len(c), len(r)) for p, c, r in pairs)
-        common.check_fits_context(model, longest_pair, f"the longest pair of {cfg.dataset}")
+        pairs, longest_pair = tokenize_offline_pairs(cfg, pairs, model, tokenizer, B)
     judge_model = None
     if judge_path:
         judge_model = common.load_model(judge_path, scalar_head=True, reward_model=True,
@@ -348,24 +302,8 @@ def main(cfg: Config):
         online_metrics, completions = {}, None
         if cfg.online:  # two samples of each of B prompts from the current policy, ranked by the judge
             step_data = prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]}
-            texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
-                     for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
-            prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-                model, tokenizer, texts, cfg.max_completion_length, cfg.temperature)  # [2B, P], [2B, P], [2B, T] x 2
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [2B, P+T], sample a and b of each prompt
-            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            answers = [a for a in step_data["answer"] for _ in range(2)]
-            correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
-            scores = (correct if judge_model is None else  # [2B]
-                      reward_model_judge(judge_model, input_ids, attention_mask, cfg.per_device_train_batch_size))
-            order, weights = rank_pairs(scores)  # [2B]: chosen rows then rejected rows; [B]: 0 for a tie
-            input_ids, attention_mask = input_ids[order.to(run.device)], attention_mask[order.to(run.device)]
-            T = completion_ids.shape[1]
-            online_metrics = {"online/pairs": weights.sum().item(), "online/ties": 1 - weights.mean().item(),
-                              "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
-                              **({"score": scores.mean().item()} if judge_model is not None else {})}
-            completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
+            input_ids, attention_mask, T, weights, online_metrics, completions = sample_and_rank(
+                model, tokenizer, judge_model, step_data, cfg)
         else:  # B pairs of the dataset
             batch = run.rng.sample(pairs, B)
             input_ids, attention_mask = (x.to(run.device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
@@ -376,15 +314,15 @@ def main(cfg: Config):
         # Gradient accumulation: micro-batches of pairs, each the rows of its chosen and its rejected answers.
         micro_batches = [torch.cat([pair_ids, pair_ids + B])
                          for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
-        step_pairs = common.token_count(weights)  # the step's counted pairs (under torchrun: of all processes / N)
+        step_pairs = common.mean_denominator(weights)  # the step's counted pairs (under torchrun: of all processes / N)
 
         # 2. The reference's log-probs, log pi_ref(y|x) per row (no gradient).
-        ref_logps = torch.zeros(2 * B, device=run.device) if needs_reference else None  # [2B]
-        with torch.no_grad():
-            for rows in micro_batches if needs_reference else []:
-                with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                    ref_logps[rows] = sequence_logprobs(rollout.completion_logprobs(
-                        reference, input_ids[rows], attention_mask[rows], T, temperature), answer_mask[rows])
+        ref_logps = None  # [2B]; SimPO needs none
+        if needs_reference:
+            with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                ref_logps = sequence_logprobs(rollout.inference(rollout.completion_logprobs, reference, input_ids,
+                                                                attention_mask, T, temperature,
+                                                                micro_batches=micro_batches), answer_mask)
 
         # 3. The policy's log-probs, the loss of each pair, its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)

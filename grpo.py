@@ -48,32 +48,10 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weigh
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages)
 
 @dataclass
-class Config:
-    model: str = "out/sft"
-    """policy to start from: a folder written by sft.py, or a hub id"""
-    dataset: str = "data/arithmetic"
-    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
-    output_dir: str = "out/grpo"
-    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each question (a hub model needs the format explained)"""
-    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
-    """training steps (each: one rollout batch, then num_iterations updates)"""
+class Config(harness.RLConfig):
+    """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
-    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """rows per micro-batch, as in ppo.py and mix.py: a row is one prompt + one completion; a step samples
-    per_device_train_batch_size x gradient_accumulation_steps completions (prompts per step x num_generations)"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
-    (less memory), and their gradients add up to the step's (the same result)"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens per completion"""
-    temperature: float = setting(1.0, lambda v: v > 0, "positive")
-    """sampling temperature of the rollout"""
     num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
     """gradient steps per rollout batch (TRL's name; the DeepSeekMath paper writes it as a Greek mu, which
     in this repo means only MIX's weight); > 1 needs the old log-probs"""
@@ -112,55 +90,23 @@ class Config:
     """with --dynamic_sampling: rollouts per step at most (DAPO's max_num_gen_batches)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
-    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
-    """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
-    (0 = never)"""
-    learning_rate: float = setting(5e-5, lambda v: v > 0, "positive")
-    """peak learning rate of AdamW"""
-    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """AdamW weight decay"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm"""
-    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
-    """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """completions generated at once during evaluation (lower it for a large model)"""
-    eval_on_start: bool = True
-    """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy);
-    unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the weights of the policy and the reference, and the gradients and AdamW states, over
-    the processes (FSDP2), instead of a full copy on each (data parallelism); the saved model is whole, resumable
-    checkpoints are sharded"""
-    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    # the run's settings (harness.py) at GRPO's defaults
+    output_dir: str = "out/grpo"
+    per_device_train_batch_size: int = 128
+    """a row is one prompt + one completion: a step samples per_device_train_batch_size x
+    gradient_accumulation_steps completions (prompts per step x num_generations)"""
+
+    def check_together(self):
+        rows_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        if rows_per_step % self.num_generations:
+            common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({rows_per_step}) must be a "
+                        f"multiple of --num_generations ({self.num_generations})")
+        if self.loss_type == "cispo" and (self.epsilon_high is None or self.importance_sampling_level != "token"):
+            common.fail("--loss_type cispo caps each token's ratio at --epsilon_high, an absolute cap (MiniMax-M1 and "
+                        "TRL suggest 5.0): set it, and keep --importance_sampling_level token")
+        if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
+            common.fail(f"--scale_rewards belongs to --advantage_estimator grpo; {self.advantage_estimator} has its "
+                        "own scale")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,23 +205,13 @@ def advantages_of(rewards: torch.Tensor, group_size: int, estimator: str = "grpo
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'):
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'; notes 002 / 004):
 
         k3 = exp(ref - logp) - (ref - logp) - 1
 
-    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Where each
-    estimator can go (notes 002 / 004):
-      - k1 = logp - ref must go in the reward (ppo.compute_rewards): as a loss its expected gradient is
-        E[grad k1] = E[grad logp] = 0.
-      - k3 in the loss, as here (DeepSeekMath), has a cost: for tokens from pi, E[grad k3] =
-        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the gradient of the forward
-        (mass-covering) KL, not of the reverse (mode-seeking) KL(pi || pi_ref) that the objective
-        regularises (Tang & Munos 2025; K. Liu et al. 2025, arXiv 2510.01555). TRL 1.16 corrects it by
-        the ratio pi / pi_old, gradient included (use_bias_correction_kl, on by default): even at
-        ratio 1 the gradient becomes (logp - ref) grad logp, whose mean over tokens from pi is
-        grad KL(pi || pi_ref); the ratio also corrects for tokens sampled from pi_old when
-        num_iterations > 1. grpo_loss keeps DeepSeekMath's plain k3.
-    [N, T] -> [N, T]."""
+    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. In the
+    loss (DeepSeekMath) its gradient is that of the forward KL(pi_ref || pi), not of KL(pi || pi_ref):
+    docs/grpo.md#where-the-kl-estimate-goes derives it, and TRL's correction. [N, T] -> [N, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -308,37 +244,18 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
         l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
 
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher lets a token whose
-    probability is small grow further before the clip stops it). Then the per-token losses of the
-    real tokens (mask) are aggregated in one of four ways (TRL's loss_type names):
-      'grpo'    (DeepSeekMath): mean over each completion's tokens, then mean over completions.
-                Every completion weighs the same, so a token of a long completion weighs less:
-                for a wrong answer (A < 0) a longer one is penalised less per token.
-      'bnpo'    one mean over the tokens of this micro-batch (and process).
-      'dapo'    (DAPO, Yu et al. 2025): one mean over all tokens of the step, all micro-batches
-                and processes. Every token weighs the same, which reduces that length bias; the
-                denominator still changes with the batch's lengths.
-      'dr_grpo' (Dr. GRPO, Z. Liu et al. 2025): the sum over tokens / (completions x
-                max_completion_length), a constant: no length bias at all.
-    'bnpo' and 'dapo' are the same when a step is one micro-batch on one process.
-      'cispo'   (MiniMax-M1, Chen et al. 2025; TRL 1.16's meaning): no clipped objective at all. Each
-                token's loss is -min(ratio, epsilon_high).detach() * A_i * logp: the ratio is
-                capped at epsilon_high (an absolute cap, e.g. 5, not 1 + eps) and detached, so it is
-                only a weight, and every token keeps its gradient A_i * grad logp, where PPO's clip
-                zeroes the gradient of a token outside its clip range. Aggregated as 'dapo'.
-
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. At the default
-    num_iterations 1 (one update per batch) old_logprobs = logprobs.detach(): the ratio is exactly 1,
-    the clip never acts and the ratio's gradient is that of logp, so the step is a group-baseline
-    REINFORCE step, -A * grad logp (plus the KL term); the clip acts with several updates per batch.
-    ref_logprobs may be None when beta == 0. Padding never reaches the value or the gradient,
-    whatever it holds.
-
-    Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
-    step's number of completions) and step_tokens (common.token_count of the step's mask) replace
-    this micro-batch's own counts, so the micro-batch losses add up to the loss of the whole step,
-    and so do their gradients ('bnpo' divides by the number of micro-batches instead).
-    """
+    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). The real tokens' losses
+    (mask) are then averaged by loss_type (TRL's names; docs/grpo.md's table says what each weighs):
+      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
+      'bnpo'    one mean over this micro-batch's tokens
+      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process)
+      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
+      'cispo'   no clip: -min(ratio, epsilon_high).detach() * A_i * logp, averaged as 'dapo' (MiniMax-M1)
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None when
+    beta == 0; padding never reaches the value or the gradient. At num_iterations 1, old_logprobs =
+    logprobs.detach(): the ratio is 1 and the step is -A * grad logp (plus the KL term). With gradient
+    accumulation, step_sequences and step_tokens are the whole step's counts, so the micro-batches'
+    losses and gradients add up to the step's ('bnpo' divides by the number of micro-batches)."""
     mask = mask.bool()
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
     logprobs = torch.where(mask, logprobs, 0.0)
@@ -360,7 +277,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
     if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
-        return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
+        return per_token.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
     if loss_type == "dr_grpo":
         return per_token.sum() / (sequences * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -441,11 +358,11 @@ def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int,
     Under torchrun every process runs as many rounds as the slowest needs and keeps as many groups
     as the poorest found, so their passes stay in step. Returns the kept rows (sample_and_score's
     layout; at most num_groups x G, possibly none) and the number of rounds."""
-    def with_spread(rows: dict) -> dict:
-        grouped = rows["rewards_per_func"].sum(dim=1).view(-1, group_size)  # [B, G]
+    def with_spread(part: dict) -> dict:  # one round's groups whose rewards differ
+        grouped = part["rewards_per_func"].sum(dim=1).view(-1, group_size)  # [B, G]
         keep = (grouped != grouped[:, :1]).any(dim=1).repeat_interleave(group_size).tolist()  # [B*G]
         return {key: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else values[keep]
-                for key, values in rows.items()}
+                for key, values in part.items()}
 
     def groups_in(parts: list) -> int:
         return sum(len(part["prompts"]) for part in parts) // group_size
@@ -454,19 +371,19 @@ def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int,
     while rounds < max_rounds and common.global_sum(int(groups_in(kept) < num_groups)) > 0:
         kept.append(with_spread(sample_more()))
         rounds += 1
-    rows = common.global_min(min(groups_in(kept), num_groups)) * group_size  # the same on every process
+    num_rows = common.global_min(min(groups_in(kept), num_groups)) * group_size  # the same on every process
 
     def stack(key: str, left: bool, value: int = 0) -> torch.Tensor:  # padded to the widest round, then cut
         width = max(part[key].shape[1] for part in kept)
         return torch.cat([F.pad(part[key], (width - part[key].shape[1], 0) if left else
-                                (0, width - part[key].shape[1]), value=value) for part in kept])[:rows]
+                                (0, width - part[key].shape[1]), value=value) for part in kept])[:num_rows]
 
-    return dict(prompts=[p for part in kept for p in part["prompts"]][:rows],
-                completions=[c for part in kept for c in part["completions"]][:rows],
+    return dict(prompts=[p for part in kept for p in part["prompts"]][:num_rows],
+                completions=[c for part in kept for c in part["completions"]][:num_rows],
                 prompt_ids=stack("prompt_ids", True, pad_token_id), prompt_mask=stack("prompt_mask", True),
                 completion_ids=stack("completion_ids", False, pad_token_id),
                 completion_mask=stack("completion_mask", False),
-                rewards_per_func=torch.cat([part["rewards_per_func"] for part in kept])[:rows]), rounds
+                rewards_per_func=torch.cat([part["rewards_per_func"] for part in kept])[:num_rows]), rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,19 +391,11 @@ def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int,
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
     run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, output folder, torchrun
-    G, rows_per_step = cfg.num_generations, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    if rows_per_step % G:
-        common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({rows_per_step}) must be a "
-                    f"multiple of --num_generations ({G})")
-    num_prompts = rows_per_step // G  # B
+    G = cfg.num_generations
+    num_prompts = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G  # B
 
     # data and models
-    train_data, test_data = common.load_splits(cfg.dataset, num_eval_examples=cfg.num_eval_examples,
-                                                per_step=num_prompts)
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                         trust_remote_code=cfg.trust_remote_code)
-    longest = common.check_prompts_fit(model, tokenizer, list(train_data["question"]) + list(test_data["question"]),
-                                       cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
+    train_data, test_data, model, tokenizer, longest = common.load_policy_and_prompts(cfg, per_step=num_prompts)
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
     # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
@@ -532,19 +441,15 @@ def main(cfg: Config):
         # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
         # losses are normalised by the whole step's counts, so the gradients add up to the step's.
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        step_sequences, step_tokens = len(input_ids), common.token_count(loss_mask)
-        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G, T]
-        old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
-        with torch.no_grad():
-            for rows in micro_batches:
-                if cfg.beta > 0:
-                    with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                        ref_logprobs[rows] = rollout.completion_logprobs(reference, input_ids[rows],
-                                                                         attention_mask[rows], T, cfg.temperature)
-                # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
-                if cfg.num_iterations > 1:
-                    old_logprobs[rows] = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                                     cfg.temperature)
+        step_sequences, step_tokens = len(input_ids), common.mean_denominator(loss_mask)
+        ref_logprobs = old_logprobs = None  # [B*G, T] each, where needed
+        if cfg.beta > 0:
+            with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
+                                                 cfg.temperature, micro_batches=micro_batches)
+        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: step 5 reuses its own log-probs
+            old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
+                                             cfg.temperature, micro_batches=micro_batches)
 
         # 5. num_iterations gradient steps on the clipped objective with the KL penalty.
         for _ in range(cfg.num_iterations):

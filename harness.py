@@ -43,8 +43,106 @@ import common
 import distributed
 import rollout
 from checks import NEXT_RUN, check_fsdp, check_settings, fail
-from common import first_line, log
+from common import first_line, log, setting
 from distributed import full_state_dict, is_main_process, is_sharded
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's settings, written once: each script's Config extends one of these with its algorithm's
+# fields and sets its own defaults (a line `output_dir: str = "out/grpo"`; the help and the check
+# stay here). `--help` lists the script's fields first, then these.
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class RunConfig:
+    """Every script: inputs and output, steps and batch, AdamW and its schedule, evaluation,
+    checkpoints, LoRA, processes."""
+    model: str = "out/sft"
+    """the model to start from: a folder another script wrote, a .gguf file, or a hub id"""
+    dataset: str = "data/arithmetic"
+    """a folder with train.jsonl / test.jsonl, or a hub dataset"""
+    output_dir: str = "out/run"
+    """where the model, metrics.jsonl, eval.json and the PNG go"""
+    overwrite_output_dir: bool = False
+    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
+    finishes, so a run that fails or is killed leaves the old one whole"""
+    system_prompt: str = ""
+    """optional system message before each question (a hub model may need the format explained; use the same one in
+    every script of a chain)"""
+    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
+    """optimizer steps (in RL: rollout batches, each followed by its updates)"""
+    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
+    """rows per forward pass (a micro-batch), per process"""
+    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
+    """micro-batches per optimizer step: the passes and the backward run one micro-batch at a time (less memory),
+    and their gradients add up to the step's (the same result)"""
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
+    """max new tokens per completion (rollouts and held-out evaluation)"""
+    learning_rate: float = setting(5e-5, lambda v: v > 0, "positive")
+    """peak learning rate of AdamW"""
+    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
+    """linear warmup steps from 0 to the learning rate, then a cosine decay"""
+    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
+    """the cosine ends at min_lr_rate x the learning rate"""
+    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
+    """AdamW weight decay"""
+    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
+    """gradient clipping norm"""
+    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
+    """evaluate on held-out data every this many steps, and at the last step"""
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
+    """held-out examples per evaluation (0 = the whole test split)"""
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
+    """sequences generated or scored at once during evaluation (lower it for a large model)"""
+    eval_on_start: bool = True
+    """evaluate before the first step too (the 'before' of the run's before -> after)"""
+    logging_steps: int = setting(1, lambda v: v >= 1, "at least 1")
+    """write a metrics.jsonl line every this many steps"""
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
+    """random seed"""
+    lora_r: int | None = setting(None, lambda v: v >= 1, "a positive rank (leave it out to train every weight)")
+    """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model); in RL, pi_ref is the
+    policy with its adapter off (no second copy); unset = full fine-tuning"""
+    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
+    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
+    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
+    """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
+    lora_target_modules: str = "all-linear"
+    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (large models)"""
+    fsdp: bool = False
+    """under torchrun: shard the weights of every model of the run, and the gradients and AdamW states, over the
+    processes (FSDP2), instead of a full copy on each (data parallelism); the saved models are whole, resumable
+    checkpoints are sharded"""
+    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
+    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
+    resume: bool = False
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    trust_remote_code: bool = False
+    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
+    merge_lora: bool = False
+    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+
+    def check_together(self):
+        """Settings that only work together: a script's Config overrides this with its own checks
+        (checks.check_settings calls it, before anything is loaded or written)."""
+
+
+@dataclasses.dataclass
+class PolicyConfig(RunConfig):
+    """A script that trains a policy: its held-out accuracy is measured on sampled answers."""
+    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+
+
+@dataclasses.dataclass
+class RLConfig(PolicyConfig):
+    """A script that trains a policy on its own samples (ppo.py, grpo.py, mix.py, dpo.py --online)."""
+    temperature: float = setting(1.0, lambda v: v > 0, "positive")
+    """sampling temperature of the rollout (the log-probs are those of the same distribution)"""
+    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
+    """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
+    (0 = never)"""
 
 
 class Run:
@@ -117,14 +215,14 @@ class Run:
         else:
             start_output_dir(self.dir)
             first_step = 0
-            if getattr(cfg, "eval_on_start", False):  # the "before" of the run's before -> after
+            if cfg.eval_on_start:  # the "before" of the run's before -> after
                 self.initial = self.scores = scores = evaluate()
                 log_metrics(self.dir, {"step": 0, **self._eval_metrics(0, scores)})
         script = os.path.basename(inspect.getfile(type(cfg))).removesuffix(".py")
         progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
                         desc=script, dynamic_ncols=True, disable=not show_progress())
         for step in progress:
-            self.step, self.metrics, self.sample = step, {}, None
+            self.step, self.metrics, self.sample, self.weights_gave_finite_values = step, {}, None, False
             self.step_started = time.perf_counter()
             rollout.seconds.clear()
             yield step
@@ -138,26 +236,27 @@ class Run:
         distributed.average_gradients(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
         check_finite(self.step, self.dir, grad_norm=grad_norm, loss=loss)
+        self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (_end_step)
         return grad_norm
 
     def log(self, metrics: dict, completions: dict | None = None) -> dict:
-        """This step's metrics, written to metrics.jsonl when the step ends (every --logging_steps
-        where the script has that setting), with time/step and its parts: time/generation
-        (rollout.generate), time/forward (the forward passes: log-probs, values, scores) and
-        time/backward (the rest: backward passes, optimizer steps, and the small work between).
-        DDP: each the mean over processes. completions: columns {"prompt": [...], "completion":
-        [...], other: [...]}, written to completions.jsonl every --log_completions_steps (rank 0's
-        rows); the first row is printed at each evaluation. Returns the metrics (DDP: the means)."""
+        """This step's metrics, written to metrics.jsonl when the step ends (every --logging_steps),
+        with time/step and its parts: time/generation (rollout.generate), time/forward (the forward
+        passes: log-probs, values, scores) and time/backward (the rest: backward passes, optimizer
+        steps, and the small work between). DDP: each the mean over processes. completions: columns
+        {"prompt": [...], "completion": [...], other: [...]}, written to completions.jsonl every
+        --log_completions_steps (rank 0's rows); the first row is printed at each evaluation.
+        Returns the metrics (DDP: the means)."""
         elapsed = time.perf_counter() - self.step_started
         parts = {f"time/{part}": seconds for part, seconds in rollout.seconds.items()}
         metrics = {**metrics, **parts, "time/backward": elapsed - sum(parts.values()), "time/step": elapsed}
-        if self.step % getattr(self.cfg, "logging_steps", 1) == 0 or self.step == self.cfg.max_steps:
+        if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics = distributed.reduce_metrics(metrics)
         self.metrics = metrics
         shown = [key for key in ("loss", "reward", "score", "accuracy", "kl", "kl_sum") if key in metrics]
         self.progress_postfix = {key: f"{metrics[key]:.3f}" for key in shown}
         if completions:
-            every = getattr(self.cfg, "log_completions_steps", 0)
+            every = self.cfg.log_completions_steps  # RLConfig: only RL scripts pass completions
             if every and self.step % every == 0:
                 log_completions(self.dir, self.step, **completions)
             self.sample = {key: values[0] for key, values in completions.items()}
@@ -186,7 +285,7 @@ class Run:
         """After the loop's body: evaluate if due, write the step's metrics line, save if due."""
         cfg, step = self.cfg, self.step
         last = step == cfg.max_steps
-        line = self.metrics if step % getattr(cfg, "logging_steps", 1) == 0 or last else {}
+        line = self.metrics if step % cfg.logging_steps == 0 or last else {}
         if step % cfg.eval_steps == 0 or last:
             self.scores = self.evaluate()
             line = {**line, **self._eval_metrics(step, self.scores)}
@@ -197,6 +296,8 @@ class Run:
         if line:
             log_metrics(self.dir, {"step": step, **line})
         progress.set_postfix(**self.progress_postfix)
+        if self.weights_gave_finite_values and is_main_process():  # the last save's weights gave finite values
+            promote_checkpoint(self.dir)
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
             results = {"initial": self.initial, "scores": self.scores, "state": self.state,
                        "elapsed": time.perf_counter() - self.started}
@@ -285,9 +386,9 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
 def check_finite(step: int, run_dir: str, **values):
     """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
     applied. A checkpoint counts as good only once the weights it holds gave finite values: the
-    one written after the previous step is promoted here when they are finite, and dropped when
-    they are not, so --resume never restarts from weights that already diverged. Pass the
-    gradient norm first: under torchrun it is the same on every process, so all stop together."""
+    one written after the last save (checkpoint.new) is dropped here when they did not, so --resume
+    never restarts from weights that already diverged (promote_checkpoint keeps it when they did).
+    Pass the gradient norm first: under torchrun it is the same on every process, so all stop together."""
     for name, value in values.items():
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
         if not math.isfinite(value):
@@ -297,8 +398,6 @@ def check_finite(step: int, run_dir: str, **values):
             fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update "
                  + (f"({kept} holds the last weights that gave finite values). " if kept else "")
                  + "A lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
-    if is_main_process():
-        _promote_checkpoint(run_dir)
 
 
 def newest_checkpoint(run_dir: str) -> str | None:
@@ -310,7 +409,7 @@ def newest_checkpoint(run_dir: str) -> str | None:
     return None
 
 
-def _promote_checkpoint(run_dir: str):
+def promote_checkpoint(run_dir: str):
     """checkpoint.new -> checkpoint, by two renames (the previous one waits as checkpoint.old)."""
     new, final, old = (os.path.join(run_dir, name) for name in ("checkpoint.new", "checkpoint", "checkpoint.old"))
     if not os.path.isdir(new):
@@ -328,7 +427,7 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
     settings), so that --resume continues exactly where the run was, bit for bit on the same
     machine, and knows whose run it continues.
 
-    Written whole into checkpoint.tmp, then renamed to checkpoint.new; check_finite promotes it
+    Written whole into checkpoint.tmp, then renamed to checkpoint.new; the next step promotes it
     to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
     checkpoint (newest_checkpoint finds it). With --fsdp every process writes the shards of the
     weights and AdamW states it holds, into checkpoint.tmp/sharded (torch.distributed.checkpoint:
@@ -345,7 +444,7 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
     sharded, tmp = is_sharded(models[0]), os.path.join(run_dir, "checkpoint.tmp")
     with writing("a checkpoint", run_dir, temporary=tmp):  # e.g. a full disk: the checkpoints before stay whole
         if is_main_process():
-            _promote_checkpoint(run_dir)  # an older checkpoint.new that no check_finite came after
+            promote_checkpoint(run_dir)  # an older checkpoint.new that no gradient check came after
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         if sharded:  # FSDP: each process its own shards; save() returns once all of them are written
@@ -582,7 +681,7 @@ def finish_output_dir(run_dir: str, cfg):
     run that replaces an old one moves into --output_dir (rank 0)."""
     if not is_main_process():
         return
-    _promote_checkpoint(run_dir)
+    promote_checkpoint(run_dir)
     files = sorted(name for name in os.listdir(run_dir) if not name.startswith("."))
     write_json(os.path.join(run_dir, RUN_FILE), {**run_record(cfg), "files": sorted({*files, RUN_FILE})})
     if os.path.basename(run_dir) == NEXT_RUN:

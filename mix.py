@@ -1,17 +1,14 @@
 """MIX: GRPO plus an SFT term on expert data (Trinity-RFT's MIX algorithm), note 001.
 
-grpo.py, plus one idea: part of every batch is expert data, answers a stronger model wrote,
-and the policy is also trained to imitate them. The objective (note 001) is
+grpo.py plus one idea: part of every batch is answers a stronger model wrote, and the policy also
+learns to imitate them. The objective (note 001) is
 
     J_MIX = (1 - mu) * J_GRPO(usual rows) + mu * (mean log-likelihood of the expert answers)
 
-This file is grpo.py with the expert term added; `diff grpo.py mix.py` shows exactly what MIX adds.
-Two choices differ from Trinity-RFT's code defaults (see mix_loss): the default --loss_type grpo
-averages each answer's tokens, then the answers, as the note's formula does, where Trinity's
-grpo_loss_agg_mode and sft_loss_agg_mode default to token-mean (--loss_type bnpo here, which is dapo
-at the defaults: one micro-batch, one process); and the KL
-penalty covers the usual rows only, inside the (1 - mu) factor, where Trinity adds its KL loss over
-every row, expert rows included (no flag: k3 needs tokens the policy sampled).
+MIX's own code comes first (its settings, the expert rows, mix_loss, main); below one heading are
+the functions of grpo.py that MIX runs, letter for letter. MIX runs GRPO's group advantages, loss
+aggregations, clip-higher and updates per batch, as Trinity-RFT's MIX offers them (grpo.py's other
+estimators, GSPO, CISPO and DAPO's filters stay there). Where it differs from Trinity: docs/mix.md.
 
     python sft.py && python mix.py                       # tiny model from out/sft -> out/mix
     python mix.py --mu 0 --expert_data_ratio 0           # plain GRPO again
@@ -19,7 +16,6 @@ every row, expert rows included (no flag: k3 needs tokens the policy sampled).
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
     torchrun --nproc_per_node 2 mix.py                   # data parallel over 2 GPUs (or CPU processes)
     torchrun --nproc_per_node 2 mix.py --fsdp true       # sharded: each process holds half the weights and states
-    python mix.py --lora_r 8                             # LoRA; pi_ref = the model with its adapter off
 
 One training step:
   1. rollout: B prompts x G samples each          completion_ids, completion_mask  [B*G, T]
@@ -29,10 +25,8 @@ One training step:
   4. inference: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
   5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows)
 
-The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
-are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
-are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
-no number the algorithm computes.
+The numbered steps are the numbered comments of main()'s loop; rollout.py and harness.py hold the
+rollout and the run's machinery, as in grpo.py.
 """
 import copy
 import math
@@ -47,138 +41,267 @@ import harness
 import rollout
 from common import setting
 
-LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages)
+LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how the two terms average their token losses
 
 
 @dataclass
-class Config:
-    model: str = "out/sft"
-    """policy to start from: a folder written by sft.py, or a hub id"""
-    dataset: str = "data/arithmetic"
-    """a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
-    output_dir: str = "out/mix"
-    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each question (a hub model needs the format explained)"""
+class Config(harness.RLConfig):
+    """MIX's settings, then the GRPO settings it runs; the run's (model, data, batch, AdamW, evaluation,
+    LoRA, ...) are harness.RLConfig's."""
     expert_dataset: str = "data/expert.jsonl"
     """expert data: a jsonl file of chat `messages` (system / user / assistant), the last one the expert's answer"""
     mu: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
     """weight of the SFT term on expert rows: loss = (1 - mu) * GRPO loss + mu * SFT loss"""
     expert_data_ratio: float = setting(0.25, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """share of each batch's rows that are expert data (Trinity rounds the expert count up); 0.25 is note 001's
-    example config, its sampler's own default is 0.5"""
-    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
-    """training steps (each: one rollout batch, then num_iterations updates)"""
+    """share of each batch's rows that are expert data, rounded up (note 001's example config; Trinity's is 0.5)"""
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
-    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """rows per micro-batch, as in ppo.py and grpo.py: a row is one prompt + one completion or expert answer; a
-    step has per_device_train_batch_size x gradient_accumulation_steps rows: usual rows (prompts per step x
-    num_generations) + expert rows"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per optimizer step: the log-prob passes and the backward run one micro-batch at a time
-    (less memory), and their gradients add up to the step's (the same result)"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens per completion"""
-    temperature: float = setting(1.0, lambda v: v > 0, "positive")
-    """sampling temperature of the rollout"""
     num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
-    """gradient steps per rollout batch (TRL's name; the DeepSeekMath paper writes it as a Greek mu, which
-    in this repo means only MIX's weight); > 1 needs the old log-probs"""
+    """gradient steps per rollout batch (> 1 needs the old log-probs; --mu is MIX's weight, not this)"""
     epsilon: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the ratio pi/pi_old: it is kept in [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)")
-    """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow);
-    unset = epsilon"""
-    importance_sampling_level: str = setting("token", lambda v: v in ("token", "sequence"), "one of token, sequence")
-    """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
-    ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
+    """upper clip range (DAPO's clip-higher, e.g. 0.28 with epsilon 0.2); unset = epsilon"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
-    """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's (Shao et
-    al. 2024, section 4.2; the notes name beta but give no value); TRL 1.16 defaults to 0.0 (and to loss_type dapo,
-    learning_rate 1e-6, use_bias_correction_kl True): set them to compare"""
-    advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
-                                       "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
-    """step 3, each reward against a baseline from its group (see advantages): 'grpo' (r - group mean) / std as
-    --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp'
-    r - group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and
-    reinforce_baseline"""
+    """weight of the KL penalty to the reference policy on the usual rows (0 = no reference model; 0.04 as in
+    grpo.py, DeepSeekMath's)"""
     loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
-    """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
-    one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
-    completions x max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's
-    A * logp weighted by its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over
-    the step's tokens"""
-    scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
-    """divide the centred rewards by the std of their 'group' (GRPO), of all the step's raw rewards ('batch'), or
-    'none' (Dr. GRPO)"""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop each group whose rewards are all equal (no signal) and sample more prompts, up
-    to --max_sampling_rounds rollouts per step, until the step has B groups with spread (fewer if not found; logged
-    as dynamic_sampling/rounds and dynamic_sampling/groups)"""
-    max_sampling_rounds: int = setting(4, lambda v: v >= 1, "at least 1")
-    """with --dynamic_sampling: rollouts per step at most (DAPO's max_num_gen_batches)"""
-    mask_truncated_completions: bool = False
-    """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
-    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
-    """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
-    (0 = never)"""
-    learning_rate: float = setting(5e-5, lambda v: v > 0, "positive")
-    """peak learning rate of AdamW"""
-    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """AdamW weight decay"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm"""
-    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
-    """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """completions generated at once during evaluation (lower it for a large model)"""
-    eval_on_start: bool = True
-    """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters, and get pi_ref by switching them off (no second copy);
-    unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input (keep 0 in RL: rollouts sample without dropout)"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the weights of the policy and the reference, and the gradients and AdamW states, over
-    the processes (FSDP2), instead of a full copy on each (data parallelism); the saved model is whole, resumable
-    checkpoints are sharded"""
-    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    """how token losses are averaged, in both terms (see grpo_loss and sft_loss): 'grpo' each answer's mean, then
+    over answers (note 001's formula); 'bnpo' each micro-batch's token mean (Trinity's token-mean); 'dapo' one mean
+    over the step's tokens; 'dr_grpo' the sum over answers x max_completion_length"""
+    importance_sampling_level = "token"  # not a setting: MIX's GRPO term has a ratio per token (step_metrics reads it)
+    # the run's settings (harness.py) at this script's defaults
+    output_dir: str = "out/mix"
+    per_device_train_batch_size: int = 128
+    """a row is one prompt + one completion or expert answer: a step's per_device_train_batch_size x
+    gradient_accumulation_steps rows are the usual rows (prompts per step x num_generations) + the expert rows"""
+
+    def check_together(self):
+        rows_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        num_usual = rows_per_step - math.ceil(self.expert_data_ratio * rows_per_step)  # B*G: the rollouts
+        if num_usual < self.num_generations or num_usual % self.num_generations:
+            common.fail(f"the {num_usual} usual rows of a step ({rows_per_step} minus the expert rows) must be a "
+                        f"positive multiple of --num_generations ({self.num_generations})")
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
-# as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
+# What MIX adds (note 001): expert data, the SFT term, and the mixed loss
 # ---------------------------------------------------------------------------------------------
+def load_expert_examples(path: str, tokenizer, max_completion_length: int):
+    """Expert data, one chat per jsonl line {"messages": [system?, user, ..., assistant]} -> a list of
+    (prompt ids: the chat template up to the assistant's turn, as a rollout prompt ends; answer ids:
+    the last message + EOS). Longer answers than max_completion_length are dropped (the 1% rule)."""
+    data = common.load_jsonl(path, columns=("messages",))
+    examples = []
+    for messages in data["messages"]:  # checked by load_jsonl: a chat that ends with the assistant's answer
+        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(messages[-1]["content"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+        if len(answer_ids) <= max_completion_length:
+            examples.append((prompt_ids, answer_ids))
+    common.check_length_drops(path, len(examples), len(data), f"--max_completion_length {max_completion_length}")
+    return examples
+
+
+def load_expert_data(cfg, model, tokenizer, num_expert: int) -> list:
+    """The expert examples a step draws its E rows from (none when E is 0): enough, and within the context."""
+    examples = load_expert_examples(cfg.expert_dataset, tokenizer, cfg.max_completion_length) if num_expert else []
+    if len(examples) < num_expert:
+        common.fail(f"{cfg.expert_dataset} has {len(examples)} usable expert answers, fewer than the "
+                    f"{num_expert} a step needs")
+    if examples:
+        common.check_fits_context(model, max(len(p) + len(a) for p, a in examples),
+                                  f"the longest expert example of {cfg.expert_dataset}")
+    common.log(f"mix: {num_expert} expert rows per step ({len(examples)} expert answers in {cfg.expert_dataset}), "
+               f"mu {cfg.mu}")
+    return examples
+
+
+def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, examples, pad_id: int):
+    """Stack `examples` (a list of (prompt ids, answer ids)) under a rollout batch, in its layout
+    [left-padded prompt | right-padded completion], both parts widened to fit the longer one:
+    [N, P], [N, P], [N, T], [N, T] -> [N+E, P'], [N+E, P'], [N+E, T'], [N+E, T']"""
+    if not examples:
+        return prompt_ids, prompt_mask, completion_ids, completion_mask
+    device = prompt_ids.device  # [E, P2] below, then [E, T2]
+    new_prompt_ids, new_prompt_mask = (x.to(device) for x in rollout.pad_left([p for p, _ in examples], pad_id))
+    new_ids, new_mask = (x.to(device) for x in rollout.pad_right([a for _, a in examples], pad_id))  # [E, T2]
+    P, T = max(prompt_ids.shape[1], new_prompt_ids.shape[1]), max(completion_ids.shape[1], new_ids.shape[1])
+    left = lambda x, value: F.pad(x, (P - x.shape[1], 0), value=value)  # noqa: E731  pad on the left to width P
+    right = lambda x, value: F.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731  pad on the right to width T
+    return (torch.cat([left(prompt_ids, pad_id), left(new_prompt_ids, pad_id)]),
+            torch.cat([left(prompt_mask, 0), left(new_prompt_mask, 0)]),
+            torch.cat([right(completion_ids, pad_id), right(new_ids, pad_id)]),
+            torch.cat([right(completion_mask, 0), right(new_mask, 0)]))
+
+
+def sft_loss(logprobs, mask, loss_type="grpo", step_sequences=None, step_tokens=None, max_completion_length=None):
+    """Note 001's auxiliary objective as a loss: the negative log-likelihood of the expert tokens,
+        'grpo': -(1/B') sum_b (1/T'_b) sum_t log pi(o'_bt | q'_b, o'_b<t)   (note 001's formula)
+        'dapo': -sum_bt log pi(o'_bt | ...) / sum_b T'_b                   (sft.py's sft_loss)
+        'bnpo', 'dr_grpo': grpo_loss's rules (a micro-batch's token mean; the token sum / (B' x T_max))
+    logprobs, mask [B', T]: the expert rows only; padding never counts. step_sequences, step_tokens:
+    the whole step's counts when these rows are one micro-batch of it (gradient accumulation)."""
+    mask = mask.bool()
+    nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
+    sequences = len(mask) if step_sequences is None else step_sequences
+    if loss_type == "grpo":
+        per_answer = nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B']
+        return per_answer.sum() / sequences
+    if loss_type == "bnpo":
+        return nll.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
+    if loss_type == "dapo":  # under torchrun: the global batch's tokens
+        return nll.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
+    if loss_type == "dr_grpo":
+        return nll.sum() / (sequences * max_completion_length)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
+             step_masks=None, epsilon_high=None, max_completion_length=None):
+    """MIX's objective (note 001), as a loss to minimise:
+        loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
+    expert_mask [N] (bool) routes each row. A usual row (False) is a rollout of the policy: the
+    clipped ratio times its group advantage, plus the KL penalty. An expert row (True) is an
+    expert's answer, never sampled from pi: only its negative log-likelihood counts (no advantage,
+    no ratio, and no KL: k3 estimates KL(pi || pi_ref) only on tokens pi sampled). A term with no
+    rows is 0. logprobs, old_logprobs, ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
+    whole step's (mask, expert_mask) when these rows are one micro-batch of it, so each term is
+    divided by the step's counts. Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
+    KL's place, the micro-batch weights): docs/mix.md."""
+    usual = ~expert_mask
+    step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
+    step_usual = (int((~step_is_expert).sum()), common.mean_denominator(step_mask[~step_is_expert]))  # (rows, tokens)
+    step_expert = (int(step_is_expert.sum()), common.mean_denominator(step_mask[step_is_expert]))
+    grpo_term = sft_term = logprobs.new_zeros(())
+    if usual.any():
+        ref = ref_logprobs[usual] if ref_logprobs is not None else None
+        grpo_term = grpo_loss(logprobs[usual], old_logprobs[usual], ref, advantages[usual], mask[usual], clip_eps, beta,
+                              loss_type, *step_usual, epsilon_high, max_completion_length=max_completion_length)
+    if expert_mask.any():
+        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, *step_expert, max_completion_length)
+    return (1 - mu) * grpo_term + mu * sft_term
+
+
+@torch.no_grad()
+def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, expert_mask, cfg) -> dict:
+    """MIX's two terms under Trinity's usual/ and expert/ prefixes: usual/loss (the GRPO term with its
+    beta x k3; Trinity's usual/pg_loss leaves the KL out), expert/sft_loss (the expert answers' NLL),
+    and the rows of each. [B*G+E, T] or [B*G+E]; ref_logprobs None when beta is 0."""
+    usual = ~expert_mask
+    ref_usual = ref_logprobs[usual] if ref_logprobs is not None else None
+    return {
+        "usual/loss": grpo_loss(logprobs[usual], old_logprobs[usual], ref_usual, advantages[usual], loss_mask[usual],
+                                cfg.epsilon, cfg.beta, cfg.loss_type, epsilon_high=cfg.epsilon_high,
+                                max_completion_length=cfg.max_completion_length).item(),
+        "expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
+                                    max_completion_length=cfg.max_completion_length).item(),
+        "usual/num_rows": int(usual.sum()),
+        "expert/num_rows": int(expert_mask.sum()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop
+# ---------------------------------------------------------------------------------------------
+def main(cfg: Config):
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset,
+                                   "--expert_dataset": cfg.expert_dataset})  # settings, output folder, torchrun
+    G, rows_per_step = cfg.num_generations, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    num_expert = math.ceil(cfg.expert_data_ratio * rows_per_step)  # E expert rows per step
+    num_prompts = (rows_per_step - num_expert) // G  # B prompts, B*G rollout rows per step
+
+    train_data, test_data, model, tokenizer, longest = common.load_policy_and_prompts(cfg, per_step=num_prompts)
+    model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
+    expert_examples = load_expert_data(cfg, model, tokenizer, num_expert)  # [(prompt ids, answer ids)]
+    # pi_ref for the KL term: a frozen copy of the start, or with LoRA none (the adapter off: common.reference_model)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    run.shard(model, ref_model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
+    run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
+                   sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
+                                              cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)
+
+    def evaluate():  # held-out accuracy, greedy and sampled, every --eval_steps
+        return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
+                               cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
+
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):
+        # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
+        step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
+        batch = sample_and_score(model, tokenizer, step_data, cfg)
+        prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]
+        rewards = rewards_per_func.sum(dim=1)  # [B*G]
+
+        # 3. Group-relative advantages replace the critic.
+        advantages = group_advantages(rewards, G).to(run.device)  # [B*G]
+
+        # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
+        expert_rows = [expert_examples[i] for i in run.rng.sample(range(len(expert_examples)), num_expert)]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = append_rows(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], expert_rows,
+            tokenizer.pad_token_id)  # [B*G+E, P], [B*G+E, P], [B*G+E, T], [B*G+E, T]
+        expert_mask = torch.arange(len(completion_ids), device=run.device) >= len(rewards)  # [B*G+E], True: expert
+        advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows, which the SFT term ignores
+
+        # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
+        T = completion_ids.shape[1]
+        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
+        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
+        ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed
+        if cfg.beta > 0:
+            with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+                ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
+                                                 cfg.temperature, micro_batches=micro_batches)
+        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: step 5 reuses its own log-probs
+            old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
+                                             cfg.temperature, micro_batches=micro_batches)
+
+        # 5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows).
+        for _ in range(cfg.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G+E, T] detached; the loss
+            for rows in micro_batches:
+                micro_logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
+                                                             cfg.temperature)  # [n, T]
+                micro_loss = mix_loss(
+                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
+                    ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], completion_mask[rows],
+                    expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                    loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+                    step_masks=(completion_mask, expert_mask))
+                micro_loss.backward()  # gradients add up over the micro-batches
+                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
+            grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
+            optimizer.step()
+            scheduler.step()
+
+        # 6. Metrics: grpo.py's on the usual rows (the rollouts), and MIX's terms; what the policy wrote.
+        old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
+        run.log({"loss": loss.item(),
+                 **step_metrics(rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
+                                ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg),
+                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+                 **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg)},
+                completions={"prompt": prompts, "completion": completions, "advantage": advantages[usual].tolist(),
+                             **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
+                                for i, f in enumerate(REWARD_FUNCS)}})
+
+    run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
+                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
+                                        "kl to reference": ["kl"], "completion length": ["completion_length"],
+                                        "loss terms": ["usual/loss", "expert/sft_loss"]}, "MIX")
+    return model
+
+
+# =============================================================================================
+# grpo.py's functions that MIX runs, letter for letter (tests/test_mix.py keeps them equal):
+# the reward functions, the group advantages, GRPO's loss and its metrics, steps 1 and 2.
+# =============================================================================================
 def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
     return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
@@ -195,9 +318,6 @@ def format_reward(prompts, completions, **kwargs) -> list[float]:
 REWARD_FUNCS = [correctness_reward, format_reward]
 
 
-# ---------------------------------------------------------------------------------------------
-# The math of GRPO
-# ---------------------------------------------------------------------------------------------
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
                      eps: float = 1e-4) -> torch.Tensor:
     """A_i = (r_i - mean(r_group)) / (std + eps) for each completion i (note 004), where std is
@@ -227,76 +347,16 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str 
     return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """RLOO (REINFORCE Leave-One-Out; Ahmadian et al. 2024, OpenRLHF's 'rloo'): the baseline of
-    completion i is the mean of the *other* G - 1 rewards of its group, so it does not depend on
-    r_i itself (an unbiased baseline, where the plain group mean holds a 1/G share of r_i):
-
-        A_i = r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean(r_group))
-
-    No division by a std. rewards [N], the G completions of a prompt contiguous -> [N]."""
-    grouped = rewards.view(-1, group_size)  # [B, G]
-    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [B, G]
-    return (grouped - others_mean).view(-1)
-
-
-def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-8) -> torch.Tensor:
-    """REINFORCE++-baseline (Hu et al. 2025, OpenRLHF's 'reinforce_baseline'): subtract the group
-    mean, then normalise over the whole batch, all processes:
-
-        a_i = r_i - mean(r_group);   A_i = (a_i - mean(a)) / (std(a) + eps)
-
-    where mean and std (divided by n, as OpenRLHF's) run over every completion of the step. The
-    group mean removes the prompt's difficulty; the batch std, unlike GRPO's group std, does not
-    scale a nearly-always-solved prompt up to a 50/50 one. OpenRLHF adds a per-token KL reward
-    before this and normalises over tokens; here the KL stays grpo_loss's beta * k3 term and each
-    completion counts once. rewards [N], groups contiguous -> [N]."""
-    grouped = rewards.view(-1, group_size)  # [B, G]
-    centred = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)  # [N]
-    count = common.global_sum(float(centred.numel()))
-    mean = common.global_sum(centred.sum()) / count
-    std = (common.global_sum(((centred - mean) ** 2).sum()) / count).sqrt()
-    return (centred - mean) / (std + eps)
-
-
-def advantages_of(rewards: torch.Tensor, group_size: int, estimator: str = "grpo",
-                  scale_rewards: str = "group") -> torch.Tensor:
-    """Step 3 by --advantage_estimator: group_advantages ('grpo'), rloo_advantages,
-    reinforce_pp_advantages. rewards [N] -> advantages [N]."""
-    if estimator == "rloo":
-        return rloo_advantages(rewards, group_size)
-    if estimator == "reinforce_pp":
-        return reinforce_pp_advantages(rewards, group_size)
-    return group_advantages(rewards, group_size, scale_rewards)
-
-
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'):
+    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'; notes 002 / 004):
 
         k3 = exp(ref - logp) - (ref - logp) - 1
 
-    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. Where each
-    estimator can go (notes 002 / 004):
-      - k1 = logp - ref must go in the reward (ppo.compute_rewards): as a loss its expected gradient is
-        E[grad k1] = E[grad logp] = 0.
-      - k3 in the loss, as here (DeepSeekMath), has a cost: for tokens from pi, E[grad k3] =
-        E[(1 - pi_ref / pi) grad logp] = grad KL(pi_ref || pi), the gradient of the forward
-        (mass-covering) KL, not of the reverse (mode-seeking) KL(pi || pi_ref) that the objective
-        regularises (Tang & Munos 2025; K. Liu et al. 2025, arXiv 2510.01555). TRL 1.16 corrects it by
-        the ratio pi / pi_old, gradient included (use_bias_correction_kl, on by default): even at
-        ratio 1 the gradient becomes (logp - ref) grad logp, whose mean over tokens from pi is
-        grad KL(pi || pi_ref); the ratio also corrects for tokens sampled from pi_old when
-        num_iterations > 1. grpo_loss keeps DeepSeekMath's plain k3.
-    [N, T] -> [N, T]."""
+    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. In the
+    loss (DeepSeekMath) its gradient is that of the forward KL(pi_ref || pi), not of KL(pi || pi_ref):
+    docs/grpo.md#where-the-kl-estimate-goes derives it, and TRL's correction. [N, T] -> [N, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
-
-
-def drop_truncated(completion_ids, completion_mask, eos_token_id: int) -> torch.Tensor:
-    """DAPO's overlong filtering: completion_mask [N, T] with every row that never reached EOS (cut
-    off at max_completion_length) set to 0, so that such a completion carries no loss."""
-    ended = ((completion_ids == eos_token_id) & completion_mask.bool()).any(dim=1)  # [N]
-    return completion_mask * ended.unsqueeze(1)
 
 
 def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
@@ -320,37 +380,18 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
         l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
 
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher lets a token whose
-    probability is small grow further before the clip stops it). Then the per-token losses of the
-    real tokens (mask) are aggregated in one of four ways (TRL's loss_type names):
-      'grpo'    (DeepSeekMath): mean over each completion's tokens, then mean over completions.
-                Every completion weighs the same, so a token of a long completion weighs less:
-                for a wrong answer (A < 0) a longer one is penalised less per token.
-      'bnpo'    one mean over the tokens of this micro-batch (and process).
-      'dapo'    (DAPO, Yu et al. 2025): one mean over all tokens of the step, all micro-batches
-                and processes. Every token weighs the same, which reduces that length bias; the
-                denominator still changes with the batch's lengths.
-      'dr_grpo' (Dr. GRPO, Z. Liu et al. 2025): the sum over tokens / (completions x
-                max_completion_length), a constant: no length bias at all.
-    'bnpo' and 'dapo' are the same when a step is one micro-batch on one process.
-      'cispo'   (MiniMax-M1, Chen et al. 2025; TRL 1.16's meaning): no clipped objective at all. Each
-                token's loss is -min(ratio, epsilon_high).detach() * A_i * logp: the ratio is
-                capped at epsilon_high (an absolute cap, e.g. 5, not 1 + eps) and detached, so it is
-                only a weight, and every token keeps its gradient A_i * grad logp, where PPO's clip
-                zeroes the gradient of a token outside its clip range. Aggregated as 'dapo'.
-
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]. At the default
-    num_iterations 1 (one update per batch) old_logprobs = logprobs.detach(): the ratio is exactly 1,
-    the clip never acts and the ratio's gradient is that of logp, so the step is a group-baseline
-    REINFORCE step, -A * grad logp (plus the KL term); the clip acts with several updates per batch.
-    ref_logprobs may be None when beta == 0. Padding never reaches the value or the gradient,
-    whatever it holds.
-
-    Gradient accumulation: when these rows are one micro-batch of a step, step_sequences (the
-    step's number of completions) and step_tokens (common.token_count of the step's mask) replace
-    this micro-batch's own counts, so the micro-batch losses add up to the loss of the whole step,
-    and so do their gradients ('bnpo' divides by the number of micro-batches instead).
-    """
+    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). The real tokens' losses
+    (mask) are then averaged by loss_type (TRL's names; docs/grpo.md's table says what each weighs):
+      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
+      'bnpo'    one mean over this micro-batch's tokens
+      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process)
+      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
+      'cispo'   no clip: -min(ratio, epsilon_high).detach() * A_i * logp, averaged as 'dapo' (MiniMax-M1)
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None when
+    beta == 0; padding never reaches the value or the gradient. At num_iterations 1, old_logprobs =
+    logprobs.detach(): the ratio is 1 and the step is -A * grad logp (plus the KL term). With gradient
+    accumulation, step_sequences and step_tokens are the whole step's counts, so the micro-batches'
+    losses and gradients add up to the step's ('bnpo' divides by the number of micro-batches)."""
     mask = mask.bool()
     # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
     logprobs = torch.where(mask, logprobs, 0.0)
@@ -372,7 +413,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
     if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
-        return per_token.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
+        return per_token.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
     if loss_type == "dr_grpo":
         return per_token.sum() / (sequences * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -401,124 +442,6 @@ def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_hi
     return (clipped & mask.bool()).sum().item() / mask.sum().item()
 
 
-# ---------------------------------------------------------------------------------------------
-# What MIX adds (note 001): expert data, the SFT term, and the mixed loss
-# ---------------------------------------------------------------------------------------------
-def load_expert_examples(path: str, tokenizer, max_completion_length: int):
-    """Expert data, one chat per jsonl line: {"messages": [system?, user, ..., assistant]}
-    -> a list of (prompt token ids, answer token ids ending in EOS).
-
-    The prompt is the chat template applied to every message before the last, ending where the
-    assistant's turn starts, exactly as a rollout prompt ends; the answer is the last message,
-    the expert's, plus EOS. Answers longer than max_completion_length tokens are dropped (under the 1%
-    rule of unusable rows: checks.check_length_drops)."""
-    data = common.load_jsonl(path, columns=("messages",))
-    examples = []
-    for messages in data["messages"]:  # checked by load_jsonl: a chat that ends with the assistant's answer
-        prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(messages[-1]["content"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        if len(answer_ids) <= max_completion_length:
-            examples.append((prompt_ids, answer_ids))
-    common.check_length_drops(path, len(examples), len(data), f"--max_completion_length {max_completion_length}")
-    return examples
-
-
-def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, examples, pad_id: int):
-    """Stack `examples` (a list of (prompt ids, answer ids)) under a rollout batch, in its layout
-    [left-padded prompt | right-padded completion]; both parts widen to fit the longer one.
-
-    [N, P], [N, P], [N, T], [N, T] -> [N+E, P'], [N+E, P'], [N+E, T'], [N+E, T']"""
-    if not examples:
-        return prompt_ids, prompt_mask, completion_ids, completion_mask
-    device = prompt_ids.device
-    # [E, P2]
-    new_prompt_ids, new_prompt_mask = (x.to(device) for x in rollout.pad_left([p for p, _ in examples], pad_id))
-    new_ids, new_mask = (x.to(device) for x in rollout.pad_right([a for _, a in examples], pad_id))  # [E, T2]
-    P, T = max(prompt_ids.shape[1], new_prompt_ids.shape[1]), max(completion_ids.shape[1], new_ids.shape[1])
-    left = lambda x, value: F.pad(x, (P - x.shape[1], 0), value=value)  # noqa: E731  pad on the left to width P
-    right = lambda x, value: F.pad(x, (0, T - x.shape[1]), value=value)  # noqa: E731  pad on the right to width T
-    return (torch.cat([left(prompt_ids, pad_id), left(new_prompt_ids, pad_id)]),
-            torch.cat([left(prompt_mask, 0), left(new_prompt_mask, 0)]),
-            torch.cat([right(completion_ids, pad_id), right(new_ids, pad_id)]),
-            torch.cat([right(completion_mask, 0), right(new_mask, 0)]))
-
-
-def sft_loss(logprobs, mask, loss_type="grpo", step_sequences=None, step_tokens=None, max_completion_length=None):
-    """Note 001's auxiliary objective as a loss: the negative log-likelihood of the expert tokens.
-
-        'grpo': -(1/B') sum_b (1/T'_b) sum_t log pi(o'_bt | q'_b, o'_b<t)   mean per answer, then
-                over answers (note 001's formula)
-        'dapo': -sum_bt log pi(o'_bt | ...) / sum_b T'_b                   one mean over all tokens
-                (sft.py's sft_loss; the note's example config's sft_loss_agg_mode "token-mean"
-                when a step is one micro-batch on one process)
-        'bnpo', 'dr_grpo': the same rules as grpo_loss's (a micro-batch's token mean; the token sum
-                over answers x max_completion_length)
-
-    logprobs, mask [B', T]: the expert rows only. Padding never counts, whatever it holds. As in
-    grpo_loss, step_sequences and step_tokens are the whole step's counts of expert answers and
-    tokens when these rows are one micro-batch of it (gradient accumulation)."""
-    mask = mask.bool()
-    nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
-    sequences = len(mask) if step_sequences is None else step_sequences
-    if loss_type == "grpo":
-        per_answer = nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B']
-        return per_answer.sum() / sequences
-    if loss_type == "bnpo":
-        return nll.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
-        return nll.sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
-    if loss_type == "dr_grpo":
-        return nll.sum() / (sequences * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
-             step_masks=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None):
-    """MIX's objective (note 001), as a loss to minimise:
-
-        loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
-
-    expert_mask [N] (bool) routes each row. A usual row (False) is a rollout of the policy: the
-    clipped ratio times its group advantage, plus the KL penalty. An expert row (True) is an
-    expert's answer, never sampled from pi: only its negative log-likelihood counts (no
-    advantage, no ratio, and no KL, since k3 estimates KL(pi || pi_ref) only on tokens pi sampled).
-    A term with no rows is 0. logprobs, old_logprobs, ref_logprobs, mask [N, T]; advantages [N].
-
-    Conventions, where the sources differ:
-      - Note 001 writes (1 - mu) * J_GRPO + mu * J_SFT, and Trinity's MIXPolicyLossFn computes the
-        same (1 - mu) form. Written as J_GRPO + m * J_SFT instead, it is the same loss with
-        m = mu / (1 - mu), times 1 / (1 - mu) (which AdamW mostly absorbs).
-      - The note's formula averages the SFT term per answer, then over answers, while its example
-        config sets sft_loss_agg_mode "token-mean". `loss_type` picks one rule for both terms:
-        'grpo' per sequence (the formula), 'bnpo' the config's token-mean (each micro-batch's token
-        mean, weighted by its share of the step's rows, as Trinity weights it), 'dapo' one token mean
-        over the whole step (the same as 'bnpo' for one micro-batch on one process), or 'dr_grpo'.
-      - The KL penalty: Trinity adds its KL loss outside the MIX policy loss, over all rows. Here
-        beta * k3 sits inside grpo_loss, so on usual rows only and inside the (1 - mu) factor: a
-        deviation, chosen because k3 estimates KL(pi || pi_ref) only on tokens pi sampled, which
-        expert tokens are not.
-      - Gradient accumulation: Trinity scales each term by its rows' share of a micro-batch
-        (per_micro_batch_weight_usual / _expert), so that the micro-batches add up to the mean over
-        the whole step. Here step_masks = (mask, expert_mask) of the whole step gives each term the
-        step's counts of usual and expert rows and tokens as its denominators: Trinity's weights for
-        'grpo' and 'bnpo' (its token-mean); 'dapo' instead divides by the step's token count.
-        Without step_masks these rows are the whole step (every weight is 1).
-    """
-    usual = ~expert_mask
-    step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
-    step_usual = (int((~step_is_expert).sum()), common.token_count(step_mask[~step_is_expert]))  # (sequences, tokens)
-    step_expert = (int(step_is_expert.sum()), common.token_count(step_mask[step_is_expert]))
-    grpo_term = sft_term = logprobs.new_zeros(())
-    if usual.any():
-        ref = ref_logprobs[usual] if ref_logprobs is not None else None
-        grpo_term = grpo_loss(logprobs[usual], old_logprobs[usual], ref, advantages[usual], mask[usual], clip_eps, beta,
-                              loss_type, *step_usual, epsilon_high, importance_sampling_level, max_completion_length)
-    if expert_mask.any():
-        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, *step_expert, max_completion_length)
-    return (1 - mu) * grpo_term + mu * sft_term
-
-
 @torch.no_grad()
 def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_logprobs, advantages, cfg) -> dict:
     """What a step logs besides its loss, with TRL 1.16's names where the quantity is the same
@@ -541,29 +464,6 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
     }
 
 
-@torch.no_grad()
-def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, expert_mask, cfg) -> dict:
-    """MIX's two terms under Trinity's usual/ and expert/ prefixes: usual/loss (our GRPO term with its
-    beta x k3, weighted by 1 - mu in the loss; Trinity's usual/pg_loss leaves the KL out) and
-    expert/sft_loss (Trinity's name: the NLL of the expert answers, weighted by mu), and the rows of each.
-    [B*G+E, T] or [B*G+E]; ref_logprobs None when beta is 0."""
-    usual = ~expert_mask
-    ref_usual = ref_logprobs[usual] if ref_logprobs is not None else None
-    return {
-        "usual/loss": grpo_loss(logprobs[usual], old_logprobs[usual], ref_usual, advantages[usual], loss_mask[usual],
-                                cfg.epsilon, cfg.beta, cfg.loss_type, epsilon_high=cfg.epsilon_high,
-                                importance_sampling_level=cfg.importance_sampling_level,
-                                max_completion_length=cfg.max_completion_length).item(),
-        "expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
-                                    max_completion_length=cfg.max_completion_length).item(),
-        "usual/num_rows": int(usual.sum()),
-        "expert/num_rows": int(expert_mask.sum()),
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Steps 1 and 2, and DAPO's dynamic sampling
-# ---------------------------------------------------------------------------------------------
 def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
     """Steps 1 and 2 for the B prompts of step_data ({column: [B values]}): G completions of each,
     groups contiguous, then their rewards. Returns the rows [B*G, ...]: prompts, completions, the
@@ -581,179 +481,6 @@ def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
     rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
     return dict(prompts=prompts, completions=completions, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
                 completion_ids=completion_ids, completion_mask=completion_mask, rewards_per_func=rewards_per_func)
-
-
-def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int, max_rounds: int,
-                     pad_token_id: int) -> tuple[dict, int]:
-    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards are all equal
-    has every advantage 0, so no policy gradient: drop it, and call sample_more() (steps 1 and 2 on
-    new prompts) until num_groups groups with spread are found, at most max_rounds rollouts in all.
-    Under torchrun every process runs as many rounds as the slowest needs and keeps as many groups
-    as the poorest found, so their passes stay in step. Returns the kept rows (sample_and_score's
-    layout; at most num_groups x G, possibly none) and the number of rounds."""
-    def with_spread(rows: dict) -> dict:
-        grouped = rows["rewards_per_func"].sum(dim=1).view(-1, group_size)  # [B, G]
-        keep = (grouped != grouped[:, :1]).any(dim=1).repeat_interleave(group_size).tolist()  # [B*G]
-        return {key: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else values[keep]
-                for key, values in rows.items()}
-
-    def groups_in(parts: list) -> int:
-        return sum(len(part["prompts"]) for part in parts) // group_size
-
-    kept, rounds = [with_spread(batch)], 1
-    while rounds < max_rounds and common.global_sum(int(groups_in(kept) < num_groups)) > 0:
-        kept.append(with_spread(sample_more()))
-        rounds += 1
-    rows = common.global_min(min(groups_in(kept), num_groups)) * group_size  # the same on every process
-
-    def stack(key: str, left: bool, value: int = 0) -> torch.Tensor:  # padded to the widest round, then cut
-        width = max(part[key].shape[1] for part in kept)
-        return torch.cat([F.pad(part[key], (width - part[key].shape[1], 0) if left else
-                                (0, width - part[key].shape[1]), value=value) for part in kept])[:rows]
-
-    return dict(prompts=[p for part in kept for p in part["prompts"]][:rows],
-                completions=[c for part in kept for c in part["completions"]][:rows],
-                prompt_ids=stack("prompt_ids", True, pad_token_id), prompt_mask=stack("prompt_mask", True),
-                completion_ids=stack("completion_ids", False, pad_token_id),
-                completion_mask=stack("completion_mask", False),
-                rewards_per_func=torch.cat([part["rewards_per_func"] for part in kept])[:rows]), rounds
-
-
-# ---------------------------------------------------------------------------------------------
-# Training loop
-# ---------------------------------------------------------------------------------------------
-def main(cfg: Config):
-    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset,
-                                   "--expert_dataset": cfg.expert_dataset})  # settings, output folder, torchrun
-    G, rows_per_step = cfg.num_generations, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    num_expert = math.ceil(cfg.expert_data_ratio * rows_per_step)  # E expert rows per step
-    num_usual = rows_per_step - num_expert  # B*G rollout rows per step
-    if num_usual < G or num_usual % G:
-        common.fail(f"the {num_usual} usual rows of a step (--per_device_train_batch_size x "
-                    f"--gradient_accumulation_steps {rows_per_step} minus {num_expert} expert rows) must be a "
-                    f"positive multiple of --num_generations ({G})")
-    num_prompts = num_usual // G  # B
-
-    # data and models
-    train_data, test_data = common.load_splits(cfg.dataset, num_eval_examples=cfg.num_eval_examples,
-                                                per_step=num_prompts)
-    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                         trust_remote_code=cfg.trust_remote_code)
-    longest = common.check_prompts_fit(model, tokenizer, list(train_data["question"]) + list(test_data["question"]),
-                                       cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
-    model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
-    expert_examples = load_expert_examples(cfg.expert_dataset, tokenizer,
-                                           cfg.max_completion_length) if num_expert else []
-    if len(expert_examples) < num_expert:
-        common.fail(f"{cfg.expert_dataset} has {len(expert_examples)} usable expert answers, fewer than the "
-                    f"{num_expert} a step needs")
-    if expert_examples:
-        common.check_fits_context(model, max(len(p) + len(a) for p, a in expert_examples),
-                                  f"the longest expert example of {cfg.expert_dataset}")
-    common.log(f"mix: each step {num_prompts} prompts x {G} rollouts + {num_expert} expert rows "
-               f"({len(expert_examples)} expert answers in {cfg.expert_dataset}), mu {cfg.mu}")
-    # The reference policy pi_ref, only needed for the KL term: a frozen copy of the starting policy,
-    # or with LoRA none at all (the policy with its adapter switched off, see common.reference_model).
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
-    run.shard(model, ref_model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
-    run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
-                   sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
-                                              cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)
-
-    def evaluate():  # held-out accuracy, greedy and sampled: run.steps calls it every --eval_steps
-        return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
-                               cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
-
-    def draw_prompts():  # the step's B prompts, {column: [B values]}
-        return train_data[run.rng.sample(range(len(train_data)), num_prompts)]
-
-    for step in run.steps([model], [optimizer], [scheduler], evaluate):
-        # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
-        batch = sample_and_score(model, tokenizer, draw_prompts(), cfg)
-        if cfg.dynamic_sampling:  # DAPO: keep the groups whose rewards differ, sampling more prompts to fill B
-            batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
-                                             G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
-            if not batch["prompts"]:  # no group with spread in any round: nothing to learn from this step
-                run.log({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
-                continue
-        prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = (
-            batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
-        rewards = rewards_per_func.sum(dim=1)  # [B*G]
-
-        # 3. Group-relative advantages replace the critic.
-        advantages = advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)  # [B*G]
-
-        # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
-        expert_rows = [expert_examples[i] for i in run.rng.sample(range(len(expert_examples)), num_expert)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = append_rows(
-            prompt_ids, prompt_mask, completion_ids, completion_mask, expert_rows, tokenizer.pad_token_id
-        )  # [B*G+E, P], [B*G+E, P], [B*G+E, T], [B*G+E, T]
-        expert_mask = torch.arange(len(completion_ids), device=run.device) >= len(rewards)  # [B*G+E], True: expert
-        advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows, which the SFT term ignores
-        # The tokens that carry loss [B*G+E, T]: every real one, or (DAPO) none of a completion that was cut off.
-        loss_mask = (drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id)
-                     if cfg.mask_truncated_completions else completion_mask)
-
-        # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
-        T = completion_ids.shape[1]
-        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
-        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
-        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        ref_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.beta > 0 else None  # [B*G+E, T]
-        old_logprobs = torch.zeros_like(completion_mask, dtype=torch.float) if cfg.num_iterations > 1 else None
-        with torch.no_grad():
-            for rows in micro_batches:
-                if cfg.beta > 0:
-                    with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                        ref_logprobs[rows] = rollout.completion_logprobs(reference, input_ids[rows],
-                                                                         attention_mask[rows], T, cfg.temperature)
-                # With one update per batch, pi_old == pi: reuse the policy's own log-probs, detached (no extra pass).
-                if cfg.num_iterations > 1:
-                    old_logprobs[rows] = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                                     cfg.temperature)
-
-        # 5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows).
-        for _ in range(cfg.num_iterations):
-            optimizer.zero_grad(set_to_none=True)
-            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G+E, T] detached; the loss
-            for rows in micro_batches:
-                micro_logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                             cfg.temperature)  # [n, T]
-                micro_loss = mix_loss(
-                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
-                    ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], loss_mask[rows],
-                    expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                    loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                    max_completion_length=cfg.max_completion_length, step_masks=(loss_mask, expert_mask))
-                micro_loss.backward()  # gradients add up over the micro-batches
-                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
-            grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
-            optimizer.step()
-            scheduler.step()
-
-        # 6. Metrics: grpo.py's on the usual rows (the rollouts), and MIX's terms; what the policy wrote.
-        old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
-        run.log({"loss": loss.item(),
-                 **step_metrics(rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
-                                ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-                 **mix_metrics(logprobs, old, ref_logprobs, advantages, loss_mask, expert_mask, cfg),
-                 **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(prompts) // G}
-                    if cfg.dynamic_sampling else {})},
-                completions={"prompt": prompts, "completion": completions, "advantage": advantages[usual].tolist(),
-                             **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
-                                for i, f in enumerate(REWARD_FUNCS)}})
-
-    run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
-                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
-                                        "kl to reference": ["kl"], "completion length": ["completion_length"],
-                                        "loss terms": ["usual/loss", "expert/sft_loss"]}, "MIX")
-    return model
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ no number the algorithm computes.
 """
 import copy
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,38 +44,14 @@ from common import setting
 
 
 @dataclass
-class Config:
-    model: str = "out/sft"
-    """actor (and reference) to start from: a folder written by sft.py, or a hub id"""
+class Config(harness.RLConfig):
+    """PPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
     reward_model: str = "out/rm"
     """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
-    dataset: str = "data/arithmetic"
-    """prompts: a folder with train.jsonl / test.jsonl in GSM8K's schema, or a hub dataset (openai/gsm8k)"""
-    output_dir: str = "out/ppo"
-    """where the actor checkpoint (critic in critic/), metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each question (use the same as for sft.py)"""
-    max_steps: int = setting(120, lambda v: v >= 1, "at least 1")
-    """training steps (each: one rollout batch, then num_ppo_epochs passes over it)"""
-    per_device_train_batch_size: int = setting(128, lambda v: v >= 1, "at least 1")
-    """rows per micro-batch of the inference passes, as in grpo.py and mix.py: a row is one prompt + one
-    completion (PPO samples one per prompt); a step samples per_device_train_batch_size x
-    gradient_accumulation_steps prompts. The training passes split each of the num_mini_batches mini-batches
-    into gradient_accumulation_steps micro-batches of per_device_train_batch_size / num_mini_batches rows"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per mini-batch: the passes and the backward run one micro-batch at a time (less memory), and
-    their gradients add up to the mini-batch's (the same result)"""
     num_ppo_epochs: int = setting(1, lambda v: v >= 1, "at least 1")
     """passes over each batch of experience (DeepSpeed-Chat's ppo_epochs)"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens per completion"""
-    temperature: float = setting(1.0, lambda v: v > 0, "positive")
-    """sampling temperature of the rollout"""
     kl_coef: float = setting(0.1, lambda v: v >= 0, "0 or more")
     """beta of the per-token KL reward -beta * (logp - ref_logp) (the starting value with --target_kl)"""
     target_kl: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out for a fixed kl_coef)")
@@ -94,54 +71,27 @@ class Config:
     """lambda of GAE: 0 = one-step TD error, 1 = Monte Carlo return minus value"""
     whiten_advantages: bool = True
     """normalise the advantages of each batch to mean 0, std 1 over the real tokens"""
-    learning_rate: float = setting(2e-5, lambda v: v > 0, "positive")
-    """peak learning rate of the actor's AdamW"""
     critic_learning_rate: float = setting(1e-4, lambda v: v > 0, "positive")
     """peak learning rate of the critic's AdamW"""
-    warmup_steps: int = setting(10, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to the learning rates, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning rate"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm (actor and critic separately)"""
-    eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
-    """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """completions generated at once during evaluation (lower it for a large model)"""
-    eval_on_start: bool = True
-    """evaluate before the first step too (the 'before' of the run's before -> after)"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: adapters on actor and critic (pi_ref = the actor with its adapter off); unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the weights of all four models, and the gradients and AdamW states, over the processes
-    (FSDP2), instead of a full copy on each (data parallelism); the saved models are whole, resumable checkpoints
-    are sharded"""
-    log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
-    """every this many steps, write the step's prompts, completions, scores, rewards and mean advantages to
-    completions.jsonl (0 = never)"""
-    save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    # the run's settings (harness.py) at this script's defaults
+    model: str = "out/sft"
+    """the actor (and the reference)"""
+    dataset: str = "data/arithmetic"
+    """prompts in GSM8K's schema (openai/gsm8k)"""
+    output_dir: str = "out/ppo"
+    """the critic goes in critic/"""
+    per_device_train_batch_size: int = 128
+    """a row is one prompt + one completion (PPO samples one per prompt): a step samples
+    per_device_train_batch_size x gradient_accumulation_steps prompts; the training passes split each of the
+    num_mini_batches mini-batches into gradient_accumulation_steps micro-batches of per_device_train_batch_size /
+    num_mini_batches rows"""
+    learning_rate: float = 2e-5
+    """the actor's (the critic's: --critic_learning_rate)"""
+
+    def check_together(self):
+        if self.per_device_train_batch_size % self.num_mini_batches:
+            common.fail(f"--per_device_train_batch_size ({self.per_device_train_batch_size}) must be a multiple of "
+                        f"--num_mini_batches ({self.num_mini_batches})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,14 +109,9 @@ def critic_values(critic, input_ids, attention_mask, num_completion_tokens: int)
 
 
 def reward_scores(reward_model, input_ids, attention_mask):
-    """r(x, y) [B]: the reward model's score at each sequence's last real token (note 003: an
-    outcome reward model computes a score at every position, only the last one is used). That is
-    the EOS of a finished completion; a completion cut off at max_completion_length has no EOS and
-    is scored at its last token like the others, although the reward model was trained on answers
-    that end with EOS. So a truncated answer gets a score from outside the RM's training
-    distribution, which PPO may learn to exploit. Remedies elsewhere: a fixed penalty instead
-    (TRL 1.16's online DPO trainer subtracts its missing_eos_penalty), or no loss at all on such
-    completions (grpo.py's --mask_truncated_completions). The same as reward_model.sequence_scores."""
+    """r(x, y) [B]: the reward model's score at each row's last real token, as reward_model.sequence_scores (note
+    003: an outcome reward model scores every position, only the last is used). input_ids, attention_mask [B, L].
+    A completion cut off without EOS: docs/classic_rlhf.md#a-cut-off-completions-score"""
     hidden = rollout.last_hidden_states(reward_model, input_ids, attention_mask)  # [B, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [B] index of the last 1
     return reward_model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)
@@ -201,27 +146,18 @@ def rule_scores(completions: list[str], answers: list[str]) -> torch.Tensor:
 # The math of PPO for language models
 # ---------------------------------------------------------------------------------------------
 def adaptive_kl_coef(kl_coef: float, kl: float, target_kl: float, horizon: int, batch_size: int) -> float:
-    """Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", section 2.2), as
-    the AdaptiveKLController of TRL up to 0.11: a proportional controller that steers the KL to the reference
-    (the mean over completions of the summed log pi / pi_ref) toward target_kl:
-
+    """Ziegler et al. 2019, section 2.2 (TRL's AdaptiveKLController up to 0.11), steering the KL toward target_kl:
         e = clip(KL / target_kl - 1, -0.2, 0.2),    kl_coef <- kl_coef * (1 + e * batch_size / horizon)
-
-    The penalty grows while the policy drifts too far and shrinks while it stays too close."""
+    KL: the mean over completions of the summed log pi / pi_ref. docs/classic_rlhf.md#the-adaptive-kl-controller"""
     error = min(max(kl / target_kl - 1, -0.2), 0.2)
     return kl_coef * (1 + error * batch_size / horizon)
 
 
 def compute_rewards(score, logprobs, ref_logprobs, mask, kl_coef, clip_score):
-    """Per-token rewards [B, T] (note 000, DeepSpeed-Chat's compute_rewards):
-
+    """Per-token rewards [B, T] (note 000, DeepSpeed-Chat's compute_rewards), 0 on padding; score [B], the rest [B, T]:
         r_t = -kl_coef * (logp_t - ref_logp_t)                     on every real token
         r_T += clamp(score, -clip_score, clip_score)               on each row's last real token
-
-    Per token the KL term has either sign: it charges for raising a token above pi_ref and pays for
-    lowering it; only its expectation over tokens from pi is a penalty, -kl_coef * KL(pi || pi_ref). The
-    reward model's verdict on the whole completion arrives only at its end. Padding gets 0.
-    score [B]; logprobs, ref_logprobs, mask [B, T]."""
+    The KL term's sign: docs/foundations.md#1-generation-as-reinforcement-learning-notes-000-003"""
     mask = mask.bool()
     rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)  # [B, T]
     last = (mask.sum(dim=1) - 1).clamp(min=0)  # [B] index of the last real token (right padding)
@@ -270,26 +206,20 @@ def whiten(advantages, mask, eps=1e-8):
 
 def masked_mean(values, mask, step_tokens=None):
     """Mean of values over the real tokens of the whole batch (a token mean; under torchrun the
-    denominator is the global batch's, see common.token_count). When these rows are one
-    micro-batch of an update, step_tokens (token_count of the update's mask) is the denominator,
+    denominator is the global batch's, see common.mean_denominator). When these rows are one
+    micro-batch of an update, step_tokens (mean_denominator of the update's mask) is the denominator,
     so the micro-batch means add up to the update's mean (gradient accumulation)."""
     mask = mask.bool()
-    return torch.where(mask, values, 0.0).sum() / (step_tokens if step_tokens is not None else common.token_count(mask))
+    tokens = step_tokens if step_tokens is not None else common.mean_denominator(mask)
+    return torch.where(mask, values, 0.0).sum() / tokens
 
 
 def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_tokens=None):
     """PPO's clipped surrogate, as a loss (note 000's actor_loss_fn), token mean over the batch:
-
         ratio = exp(logp - old_logp)
         l_t   = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))
-
-    The max of the two losses is the min of the two objectives: once the ratio has moved past
-    1 + eps (A > 0) or 1 - eps (A < 0), the clipped term is the larger loss and, being constant
-    in theta, gives no gradient (note 003's figure). The clip removes the incentive per token: it
-    limits how hard one batch pushes each token, not how far the policy moves, since shared weights
-    move other tokens too (Engstrom et al. 2020; Wang et al. 2020). With one update per batch (the
-    defaults) the ratio is exactly 1 and the clip never acts.
-    logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean."""
+    logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean.
+    What the clip limits, and what not: docs/foundations.md#what-the-clip-limits"""
     mask = mask.bool()
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # junk on padding never reaches exp
     ratio = torch.exp(log_ratio)
@@ -299,19 +229,11 @@ def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_toke
 
 
 def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=None):
-    """Clipped value loss (note 000's critic_loss_fn), token mean over the batch:
-
+    """Clipped value loss (note 000's critic_loss_fn), token mean over the batch; R the returns, c in reward units:
         v_clip = clip(v, old_v - c, old_v + c)
         l_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)
-
-    The critic is fitted to the returns R. The max keeps the larger error, so the gradient is gone
-    only where V has moved more than c from old_v toward R (the clipped error, constant in theta,
-    is then the larger); a V that left the band away from R keeps its gradient and is pulled back.
-    So V is not kept within c of old_v: the clip only removes, token by token, the pull past c toward
-    R. c is in reward units, like V and R, not a ratio. Andrychowicz et al. (2021, "What matters in
-    on-policy RL") found value clipping often does not help; it stays here because note 000's
-    DeepSpeed-Chat (and TRL's PPOTrainer, before TRL dropped it) use it. values, old_values, returns,
-    mask [B, T]; step_tokens: see masked_mean."""
+    values, old_values, returns, mask [B, T]; step_tokens: see masked_mean.
+    What the clip does, and why it stays: docs/classic_rlhf.md#the-clipped-value-loss"""
     mask = mask.bool()
     values = torch.where(mask, values, 0.0)
     old_values = torch.where(mask, old_values, 0.0)
@@ -321,20 +243,20 @@ def ppo_critic_loss(values, old_values, returns, mask, clip_value, step_tokens=N
 
 
 def clip_fraction(unclipped_loss, clipped_loss, mask) -> float:
-    """Fraction of real tokens where the clipped term of max(unclipped, clipped) is strictly the
-    larger (TRL's clipfrac), i.e. the tokens that get no gradient from this update. For the actor:
-    the ratio has moved past 1 + eps with A > 0, or past 1 - eps with A < 0 (grpo.py's clip_fraction
-    counts the same tokens); for the critic: V has moved more than c from its old value toward the
-    return, so the clipped error is the larger. unclipped_loss, clipped_loss, mask [B, T]."""
+    """Fraction of real tokens where the clipped term of max(unclipped, clipped) is strictly the larger (TRL's
+    clipfrac): the tokens that get no gradient from this update. unclipped_loss, clipped_loss, mask [B, T].
+    Which tokens, for the actor and the critic: docs/classic_rlhf.md#the-clip-fractions"""
     taken_over = (clipped_loss > unclipped_loss) & mask.bool()
     return taken_over.sum().item() / mask.sum().item()
 
 
 @torch.no_grad()
-def update_stats(actor_loss, critic_loss, logprobs, old_logprobs, values, old_values, advantages, returns, entropy,
-                 mask, cfg) -> dict:
+def update_stats(actor_loss, critic_loss, logprobs, values, entropy, exp, idx, cfg) -> dict:
     """What one update of actor and critic logs: its two losses, the share of tokens where each clip
-    took over (clip_fraction), and the policy's entropy. Every tensor [b, T], for the update's rows."""
+    took over (clip_fraction), and the policy's entropy. logprobs, values, entropy [b, T]: the update's
+    rows idx [b] of the experience exp."""
+    old_logprobs, old_values, advantages, returns, mask = (
+        x[idx] for x in (exp.old_logprobs, exp.old_values, exp.advantages, exp.returns, exp.mask))
     ratio = torch.exp(torch.where(mask.bool(), logprobs - old_logprobs, 0.0))  # [b, T]
     clipped_ratio = torch.clamp(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange)
     clipped_values = torch.clamp(values, old_values - cfg.cliprange_value, old_values + cfg.cliprange_value)
@@ -344,11 +266,20 @@ def update_stats(actor_loss, critic_loss, logprobs, old_logprobs, values, old_va
             "entropy": masked_mean(entropy, mask).item()}
 
 
+def completions_to_log(exp) -> dict:
+    """completions.jsonl's columns: each completion with its score, its summed reward and its mean advantage."""
+    return {"prompt": exp.prompts, "completion": exp.completions, "score": exp.score.tolist(),
+            "reward": torch.where(exp.mask.bool(), exp.rewards, 0.0).sum(dim=1).tolist(),
+            "advantage": (exp.advantages.sum(dim=1) / exp.mask.sum(dim=1).clamp(min=1)).tolist()}
+
+
 @torch.no_grad()
-def step_metrics(score, completions, answers, mask, old_logprobs, ref_logprobs, old_values, returns, updates) -> dict:
+def step_metrics(exp, answers, updates) -> dict:
     """What a step logs: the reward model's score and, when the data has answers, the rule-based
     accuracy of the same completions (do they rise together?); the KL to the reference; the mean of
-    the updates' update_stats; how well the critic's values fit the returns. score [B]; the rest [B, T]."""
+    the updates' update_stats; how well the critic's values fit the returns. exp: the Experience."""
+    score, completions, mask, old_logprobs, ref_logprobs, old_values, returns = (
+        exp.score, exp.completions, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.old_values, exp.returns)
     return {
         "score": score.mean().item(),
         **({"accuracy": sum(float(common.is_correct(c, a)) for c, a in zip(completions, answers)) / len(completions)}
@@ -363,68 +294,129 @@ def step_metrics(score, completions, answers, mask, old_logprobs, ref_logprobs, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The training pass, and when the inference step can take pi_old and V_old from it
+# Steps 1 to 4: one batch of experience, which the PPO epochs reuse
 # ---------------------------------------------------------------------------------------------
-def training_pass(actor, critic, input_ids, attention_mask, num_completion_tokens: int, temperature: float):
-    """The forward pass the two losses differentiate, over some rows: the actor's log-probs and
-    entropy, and the critic's values [b, T] each, with gradients."""
+class Pass(NamedTuple):
+    """The training pass over some rows, [b, T] each, with gradients: what the two losses differentiate."""
+    logprobs: torch.Tensor  # the actor's log-probs of the completion tokens
+    entropy: torch.Tensor  # the actor's entropy at each position (no gradient)
+    values: torch.Tensor  # the critic's values V(s_t)
+
+
+def training_pass(actor, critic, input_ids, attention_mask, num_completion_tokens: int, temperature: float) -> Pass:
     logprobs, entropy = rollout.completion_logprobs(actor, input_ids, attention_mask, num_completion_tokens,
                                                     temperature, with_entropy=True)
-    return logprobs, entropy, critic_values(critic, input_ids, attention_mask, num_completion_tokens)
+    return Pass(logprobs, entropy, critic_values(critic, input_ids, attention_mask, num_completion_tokens))
 
 
 def makes_one_update(cfg) -> bool:
     """True when a step makes a single update (one PPO epoch of one mini-batch, in one micro-batch).
-
-    Speed: then the update's training pass sees the weights that pi_old's and V_old's inference
-    passes would see, so it runs first and its detached outputs serve as old_logprobs and old_values:
-    two forward passes fewer per step (grpo.py does the same for pi_old), the same numbers on every
-    real token (tests/test_rlhf_scripts.py runs a step both ways). With more updates per step the
-    old values must stay fixed while the weights move, so they get passes of their own."""
+    Speed: its training pass, run first and detached, gives old_logprobs and old_values: two forward passes
+    fewer a step, the same numbers (docs/speed.md#the-speed-ups)."""
     return cfg.num_ppo_epochs == 1 and cfg.num_mini_batches == 1 and cfg.gradient_accumulation_steps == 1
+
+
+@dataclass
+class Experience:
+    """One batch of experience: B prompts, one completion each."""
+    prompts: list  # [B] chat prompts
+    completions: list  # [B] the completions' text
+    input_ids: torch.Tensor  # [B, P+T] left-padded prompt | right-padded completion
+    attention_mask: torch.Tensor  # [B, P+T]
+    mask: torch.Tensor  # [B, T] 1 on each completion's real tokens
+    score: torch.Tensor  # [B] the reward model's score (or the checker's)
+    old_logprobs: torch.Tensor  # [B, T] pi_old, the actor that sampled
+    ref_logprobs: torch.Tensor  # [B, T] pi_ref
+    old_values: torch.Tensor  # [B, T] V_old
+    rewards: torch.Tensor  # [B, T] -kl_coef * (logp - ref_logp), plus the clipped score on the last token
+    advantages: torch.Tensor  # [B, T] GAE's, whitened with --whiten_advantages
+    returns: torch.Tensor  # [B, T] the critic's targets
+    first_pass: Pass | None  # the only update's training pass, run already (makes_one_update), or None
+
+
+def make_experience(actor, reference, critic, reward_model, tokenizer, questions: list, answers: list | None, cfg,
+                    kl_coef: float) -> Experience:
+    """Steps 1 to 4 of the module docstring for B prompts (answers: None on prompt-only data)."""
+    # 1. Rollout: the actor decodes one completion per prompt.
+    prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in questions]
+    prompt_ids, prompt_mask, completion_ids, mask = rollout.generate(
+        actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
+    )  # [B, P], [B, P], [B, T], [B, T]
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
+    attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]
+    T = completion_ids.shape[1]
+
+    # 2. Inference (prefill only, no gradient; one micro-batch of rows at a time): pi_ref's log-probs
+    # and the score, then pi_old's log-probs and V_old, which the KL reward and GAE need before any update.
+    micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
+    with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
+        ref_logprobs = rollout.inference(rollout.completion_logprobs, pi_ref, input_ids, attention_mask, T,
+                                         cfg.temperature, micro_batches=micro_batches)  # [B, T]
+    if reward_model is None:
+        score = rule_scores(completions, answers).to(input_ids.device)  # [B]
+    else:
+        score = rollout.inference(reward_scores, reward_model, input_ids, attention_mask,
+                                  micro_batches=micro_batches)  # [B]
+    first_pass = None
+    if makes_one_update(cfg):  # Speed: the only update's own pass runs now; detached, it is pi_old and V_old
+        first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)
+        old_logprobs, old_values = first_pass.logprobs.detach(), first_pass.values.detach()
+    else:
+        old_logprobs = rollout.inference(rollout.completion_logprobs, actor, input_ids, attention_mask, T,
+                                         cfg.temperature, micro_batches=micro_batches)  # [B, T]
+        old_values = rollout.inference(critic_values, critic, input_ids, attention_mask, T,
+                                       micro_batches=micro_batches)  # [B, T]
+
+    with torch.no_grad():
+        # 3. Per-token rewards: the KL to the reference, and the clipped score on the last token.
+        rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
+        # 4. GAE: advantages and returns, backwards over the tokens.
+        advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
+        if cfg.whiten_advantages:
+            advantages = whiten(advantages, mask)
+    return Experience(prompts, completions, input_ids, attention_mask, mask, score, old_logprobs, ref_logprobs,
+                      old_values, rewards, advantages, returns, first_pass)
 
 
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
+def load_reward_model_and_critic(cfg, device):
+    """The frozen reward model, and the critic it initialises (note 000); with --reward_model rule no
+    reward model (the checker scores) and a critic with a fresh value head on the --model policy."""
+    if cfg.reward_model == "rule":
+        return None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
+    hint = "run `python reward_model.py` first (or pass --reward_model rule)"
+    reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, reward_model=True,
+                                     trust_remote_code=cfg.trust_remote_code)[0]
+    reward_model.to(device).eval().requires_grad_(False)
+    return reward_model, copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
+
+
 def main(cfg: Config):
     run = harness.Run(cfg, inputs={"--model": cfg.model, "--reward_model": cfg.reward_model,
                                    "--dataset": cfg.dataset})  # settings, output folder, torchrun
     rows_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # B prompts, one sample each
-    if cfg.per_device_train_batch_size % cfg.num_mini_batches:
-        common.fail(f"--per_device_train_batch_size ({cfg.per_device_train_batch_size}) must be a multiple of "
-                    f"--num_mini_batches ({cfg.num_mini_batches})")
 
     # data: GSM8K's schema (question, answer: rule-based accuracy is measured too), or prompts only (the
     # `prompt` column of a preference dataset such as Dahoas/rm-static: the reward model is the only judge).
     has_answers = "prompt" not in common.load_split(cfg.dataset, "train", columns=()).column_names
     columns = ("question", "answer") if has_answers else ("prompt",)
-    train_data, test_data = common.load_splits(cfg.dataset, columns, cfg.num_eval_examples, rows_per_step)
     if not has_answers and cfg.reward_model == "rule":
         common.fail(f"--reward_model rule checks answers, and {cfg.dataset} has prompts only: pass a reward model")
 
     # the four models
-    actor, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                         trust_remote_code=cfg.trust_remote_code)
-    questions = list(train_data[columns[0]]) + list(test_data[columns[0]])
-    common.check_prompts_fit(actor, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
+    train_data, test_data, actor, tokenizer, _ = common.load_policy_and_prompts(cfg, rows_per_step, columns)
     actor = run.prepare(actor)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
     reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
-    if cfg.reward_model == "rule":  # the rule-based checker scores; the critic starts with a fresh value head
-        reward_model = None
-        critic = common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
-    else:
-        hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-        reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, reward_model=True,
-                                         trust_remote_code=cfg.trust_remote_code)[0]
-        reward_model.to(run.device).eval().requires_grad_(False)
-        critic = copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
+    reward_model, critic = load_reward_model_and_critic(cfg, run.device)
     critic = run.prepare(critic, scalar_head=True)  # LoRA critic: adapters and its value head are trained
     run.shard(actor, reference, critic, reward_model)  # --fsdp: each process keeps 1/N of each model
     run.log_memory([actor, critic], [reference, reward_model])
-    actor_optimizer = torch.optim.AdamW(actor.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
+    actor_optimizer = torch.optim.AdamW(actor.parameters(), cfg.learning_rate, weight_decay=cfg.weight_decay)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), cfg.critic_learning_rate, weight_decay=cfg.weight_decay)
     num_updates = cfg.max_steps * cfg.num_ppo_epochs * cfg.num_mini_batches
     schedulers = [common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * num_updates // cfg.max_steps,
                                                 num_updates, cfg.min_lr_rate)
@@ -439,68 +431,33 @@ def main(cfg: Config):
 
     state = {"kl_coef": cfg.kl_coef}  # changes only with --target_kl; kept in every checkpoint
     for step in run.steps([actor, critic], [actor_optimizer, critic_optimizer], schedulers, evaluate, state):
-        # 1. Rollout: the actor decodes one completion per prompt.
+        # 1.-4. One batch of experience (make_experience): rollout, inference, per-token rewards, GAE.
         step_data = train_data[run.rng.sample(range(len(train_data)), rows_per_step)]  # {column: [B values]}
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data[columns[0]]]
-        prompt_ids, prompt_mask, completion_ids, mask = rollout.generate(
-            actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-        )  # [B, P], [B, P], [B, T], [B, T]
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
-        attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]
-        T = completion_ids.shape[1]
-
-        # 2. Inference (prefill only, no gradient): the experience the PPO epochs will reuse, one
-        # micro-batch of rows at a time (gradient accumulation: the logits of one micro-batch in memory).
-        # With one update per step, pi_old's log-probs and V_old come from that update's own pass.
-        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        old_logprobs, ref_logprobs, old_values = (torch.zeros(mask.shape, device=run.device) for _ in range(3))
-        one_update = makes_one_update(cfg)
-        with torch.no_grad():  # [B, T] each
-            for rows in micro_batches:
-                if not one_update:  # pi_old's log-probs and V_old: the KL reward and GAE need them before any update
-                    old_logprobs[rows] = rollout.completion_logprobs(actor, input_ids[rows], attention_mask[rows], T,
-                                                                     cfg.temperature)
-                with common.reference_model(actor, reference) as pi_ref:  # the frozen copy, or LoRA switched off
-                    ref_logprobs[rows] = rollout.completion_logprobs(pi_ref, input_ids[rows], attention_mask[rows], T,
-                                                                     cfg.temperature)
-                if not one_update:
-                    old_values[rows] = critic_values(critic, input_ids[rows], attention_mask[rows], T)
-            if reward_model is None:
-                score = rule_scores(completions, step_data["answer"]).to(run.device)  # [B]
-            else:
-                score = torch.cat([reward_scores(reward_model, input_ids[rows], attention_mask[rows])
-                                   for rows in micro_batches])  # [B]
-        if one_update:  # Speed: the only update's own pass runs now, with gradients; detached, it is pi_old and V_old
-            first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)  # 3 x [B, T]
-            old_logprobs, old_values = first_pass[0].detach(), first_pass[2].detach()
-        with torch.no_grad():
-            # 3. + 4. Per-token rewards (KL to the reference + the score at EOS), then GAE.
-            rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, state["kl_coef"], cfg.clip_score)
-            advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
-            if cfg.whiten_advantages:
-                advantages = whiten(advantages, mask)
+        exp = make_experience(actor, reference, critic, reward_model, tokenizer, step_data[columns[0]],
+                              step_data.get("answer"), cfg, state["kl_coef"])
+        B, T = exp.mask.shape
 
         # 5. PPO epochs over mini-batches of the experience: one actor and one critic update per mini-batch.
         updates = []  # what each update logs (update_stats)
         for _ in range(cfg.num_ppo_epochs):
-            for idx in torch.randperm(len(prompts)).chunk(cfg.num_mini_batches):
+            for idx in torch.randperm(B).chunk(cfg.num_mini_batches):
                 # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
-                step_tokens = common.token_count(mask[idx])
+                step_tokens = common.mean_denominator(exp.mask[idx])
                 logprobs, entropy, values = (torch.zeros(len(idx), T, device=run.device) for _ in range(3))  # detached
                 actor_loss = critic_loss = 0.0
                 for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
                     rows = idx[part]
-                    micro_logprobs, entropy[part], micro_values = (  # [b', T] each
-                        [x[rows] for x in first_pass] if one_update else
-                        training_pass(actor, critic, input_ids[rows], attention_mask[rows], T, cfg.temperature))
-                    micro_actor_loss = ppo_actor_loss(micro_logprobs, old_logprobs[rows], advantages[rows], mask[rows],
-                                                      cfg.cliprange, step_tokens)
-                    micro_critic_loss = ppo_critic_loss(micro_values, old_values[rows], returns[rows], mask[rows],
-                                                        cfg.cliprange_value, step_tokens)
+                    micro = (Pass(*(x[rows] for x in exp.first_pass)) if exp.first_pass is not None else
+                             training_pass(actor, critic, exp.input_ids[rows], exp.attention_mask[rows], T,
+                                           cfg.temperature))  # [b', T] each
+                    micro_actor_loss = ppo_actor_loss(micro.logprobs, exp.old_logprobs[rows], exp.advantages[rows],
+                                                      exp.mask[rows], cfg.cliprange, step_tokens)
+                    micro_critic_loss = ppo_critic_loss(micro.values, exp.old_values[rows], exp.returns[rows],
+                                                        exp.mask[rows], cfg.cliprange_value, step_tokens)
                     micro_actor_loss.backward()  # gradients add up over the micro-batches
                     micro_critic_loss.backward()
-                    logprobs[part], values[part] = micro_logprobs.detach(), micro_values.detach()
+                    logprobs[part], entropy[part], values[part] = (micro.logprobs.detach(), micro.entropy,
+                                                                   micro.values.detach())
                     actor_loss = actor_loss + micro_actor_loss.detach()
                     critic_loss = critic_loss + micro_critic_loss.detach()
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer),
@@ -512,19 +469,14 @@ def main(cfg: Config):
                     optimizer.zero_grad(set_to_none=True)
                 for scheduler in schedulers:
                     scheduler.step()
-                updates.append(update_stats(actor_loss, critic_loss, logprobs, old_logprobs[idx], values,
-                                            old_values[idx], advantages[idx], returns[idx], entropy, mask[idx], cfg))
+                updates.append(update_stats(actor_loss, critic_loss, logprobs, values, entropy, exp, idx, cfg))
 
         # 6. Metrics: the reward model's score and, on the same completions, the rule-based truth.
-        metrics = run.log({**step_metrics(score, completions, step_data.get("answer"), mask, old_logprobs, ref_logprobs,
-                                          old_values, returns, updates),
-                           "kl_coef": state["kl_coef"], "learning_rate": schedulers[0].get_last_lr()[0]},
-                          completions={"prompt": prompts, "completion": completions, "score": score.tolist(),
-                                       "reward": torch.where(mask.bool(), rewards, 0.0).sum(dim=1).tolist(),
-                                       "advantage": (advantages.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).tolist()})
+        metrics = run.log({**step_metrics(exp, step_data.get("answer"), updates), "kl_coef": state["kl_coef"],
+                           "learning_rate": schedulers[0].get_last_lr()[0]}, completions=completions_to_log(exp))
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
-                                                len(prompts) * run.world_size)
+                                                B * run.world_size)
 
     run.finish(tokenizer, {"": actor, "critic": critic},
                {"reward model score": ["score", "eval/score"],

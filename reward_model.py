@@ -28,103 +28,51 @@ from common import setting
 
 
 @dataclass
-class Config:
-    model: str = "out/sft"
-    """transformer to start from (its LM head is replaced by a scalar head): sft.py's output or a hub id"""
-    dataset: str = "data/preference"
-    """a folder with train.jsonl / test.jsonl of prompt / chosen / rejected, or a hub dataset (Dahoas/rm-static)"""
-    output_dir: str = "out/rm"
-    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each prompt (use the same as for sft.py and ppo.py)"""
-    max_steps: int = setting(600, lambda v: v >= 1, "at least 1")
-    """optimizer steps"""
-    per_device_train_batch_size: int = setting(32, lambda v: v >= 1, "at least 1")
-    """preference pairs per forward pass (a micro-batch), per process (each pair is two sequences)"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
-    (x processes); accumulation changes memory, not the result"""
-    learning_rate: float = setting(6e-4, lambda v: v > 0, "positive")
-    """peak learning rate of AdamW"""
-    warmup_steps: int = setting(20, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """AdamW weight decay"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm"""
+class Config(harness.RunConfig):
+    """The reward model's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are
+    harness.RunConfig's."""
     policy_prompts: int = setting(3000, lambda v: v >= 0, "0 or more")
     """prompts on which the --model policy samples answers that the checker labels, for extra pairs
     (0 = the shipped pairs only; needs <answer> tags in the chosen answers). The default takes every shipped
     training prompt: the more of the policy's own mistakes the reward model has seen, the less PPO can game it"""
     samples_per_prompt: int = setting(8, lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one")
     """policy samples per prompt; each wrong one is paired with a right one"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens of a policy sample"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """pairs whose prompt + response is longer than this many tokens are dropped"""
-    eval_steps: int = setting(100, lambda v: v >= 1, "at least 1")
-    """evaluate held-out pairwise accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out pairs per evaluation (0 = the whole test split)"""
-    per_device_eval_batch_size: int = setting(256, lambda v: v >= 1, "at least 1")
-    """pairs scored at once during evaluation (lower it for a large model)"""
-    logging_steps: int = setting(10, lambda v: v >= 1, "at least 1")
-    """write a metrics.jsonl line every this many steps"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters (and the scalar head) instead of every weight; unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the model's weights, gradients and AdamW states over the processes (FSDP2), instead
-    of a full copy on each (data parallelism); the saved model is whole, resumable checkpoints are sharded"""
-    save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    # the run's settings (harness.py) at this script's defaults
+    model: str = "out/sft"
+    """its LM head is replaced by a scalar head"""
+    dataset: str = "data/preference"
+    """of prompt / chosen / rejected (Dahoas/rm-static)"""
+    output_dir: str = "out/rm"
+    max_steps: int = 600
+    per_device_train_batch_size: int = 32
+    """a row is one preference pair (two sequences)"""
+    max_completion_length: int = 64
+    """here: of a policy sample (--policy_prompts)"""
+    learning_rate: float = 6e-4
+    warmup_steps: int = 20
+    eval_steps: int = 100
+    """held-out pairwise accuracy"""
+    per_device_eval_batch_size: int = 256
+    eval_on_start: bool = False
+    logging_steps: int = 10
+    save_steps: int = 100
 
 
 def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, num_pairs: int | None = None
                     ) -> torch.Tensor:
-    """Pairwise (Bradley-Terry) loss of note 000: -log sigmoid(r_chosen - r_rejected), mean over pairs.
-    (Note 000's DeepSpeed-Chat averages it over the tokens after the two answers diverge; we compare
-    one score per answer, the one PPO reads: docs/concept_map.md.)
-
+    """Pairwise (Bradley-Terry) loss of note 000, mean over pairs; chosen_scores, rejected_scores [M], one per pair:
         loss = -sum_i log sigmoid(r_chosen_i - r_rejected_i) / num_pairs,      num_pairs = M by default
-
-    chosen_scores, rejected_scores [M], one per pair. P(chosen preferred) = sigmoid(r_chosen - r_rejected), so
-    this is the negative log-likelihood of the labelled choice. No person labels the pairs here: the shipped
-    ones are synthetic (data/make_data.py), policy_pairs' are labelled by the rule-based checker. Only
-    differences of scores matter.
-    With gradient accumulation, num_pairs is the whole step's pair count: each micro-batch's loss
-    is then its share of the step's mean, and the shares add up to the step's loss."""
+    Details: docs/classic_rlhf.md#the-preference-loss"""
     losses = -F.logsigmoid(chosen_scores - rejected_scores)  # [M]
     return losses.sum() / (len(losses) if num_pairs is None else num_pairs)
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """r(x, y) [N]: the scalar head on the hidden state of each row's last real token (the EOS of
-    every training pair; ppo.reward_scores says what happens to a completion cut off without one).
-
-    input_ids, attention_mask [N, L] laid out as [left-padded prompt | right-padded response].
-    Every position gets a hidden state, but only the last real one has read the whole answer."""
+    """r(x, y) [N]: the scalar head on the hidden state of each row's last real token, the one that has read the
+    whole answer (the EOS of every training pair; without EOS: docs/classic_rlhf.md#a-cut-off-completions-score).
+    input_ids, attention_mask [N, L] laid out as [left-padded prompt | right-padded response]."""
     hidden = rollout.last_hidden_states(model, input_ids, attention_mask)  # [N, L, H]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(dims=[1]).argmax(dim=1)  # [N] index of the last 1
     return model.score(hidden[torch.arange(len(last)), last]).squeeze(-1)  # [N]

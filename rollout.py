@@ -3,6 +3,8 @@ gives each of their tokens. Every script calls these two; read them before any a
 
     prompt_ids, prompt_mask, completion_ids, completion_mask = generate(model, tokenizer, prompts, 64)
     logprobs = completion_logprobs(model, input_ids, attention_mask, T)          # [N, T]
+    ref_logprobs = inference(completion_logprobs, ref_model, input_ids, attention_mask, T,
+                             micro_batches=micro_batches)     # no gradient, a micro-batch at a time
 
 A batch is laid out as [left-padded prompt | right-padded completion]: every completion starts at
 column P, and position ids count real tokens only, so padding changes no value. Shapes: N rows (a
@@ -77,7 +79,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     start at the same column P. A row that emits EOS is done: it is padded after it, and its mask
     keeps the first EOS (the model chose to stop: that is an action too) and drops what follows.
     Under --fsdp the full weights are gathered once for the whole loop (distributed.gathered).
-    static_cache: None (the default) means on where the model is on a CUDA GPU (decode_static says
+    static_cache: None (the default) means on where the model is on a CUDA GPU (static_cache_refusal says
     where it fits), off on the CPU, where the loop below runs.
 
     Returns prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, T], completion_mask [N, T],
@@ -190,6 +192,18 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
     return (logprobs, entropy) if with_entropy else logprobs
 
 
+@torch.no_grad()
+def inference(fn, model, input_ids, attention_mask, *args, micro_batches: list) -> torch.Tensor:
+    """An inference pass (no gradient): fn(model, input_ids[rows], attention_mask[rows], *args) for
+    each micro-batch of rows (micro_batches: a list of row indices, so only one micro-batch's
+    activations are in memory at a time), the results put back in row order [N, ...]. The RL
+    scripts' passes of pi_ref, pi_old, the critic and the reward model:
+        ref_logprobs = rollout.inference(rollout.completion_logprobs, ref_model, input_ids, attention_mask,
+                                         T, temperature, micro_batches=micro_batches)   # [N, T]"""
+    results = torch.cat([fn(model, input_ids[rows], attention_mask[rows], *args) for rows in micro_batches])
+    return results[torch.cat(micro_batches).argsort()]
+
+
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
                      prompt=None):
     """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0). prompt: None,
@@ -224,12 +238,8 @@ def entropy_of(logits: torch.Tensor) -> torch.Tensor:
 
 
 def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[label] per position: logits [N, T, V], labels [N, T] -> [N, T], in float32.
-
-    Written as logit[label] - logsumexp(logits), so no [N, T, V] log-softmax is kept; plainly
-        logits.float().gather(-1, labels[..., None]).squeeze(-1) - torch.logsumexp(logits.float(), dim=-1)
-    Speed: LabelLogprob computes exactly that (tests/test_math.py), a chunk of rows at a time,
-    with a hand-written backward."""
+    """log softmax(logits)[label] = logit[label] - logsumexp(logits), in float32: logits [N, T, V], labels [N, T]
+    -> [N, T]. Speed: LabelLogprob, a chunk of rows at a time, hand-written backward (docs/speed.md#the-speed-ups)."""
     return LabelLogprob.apply(logits, labels)
 
 
@@ -286,14 +296,9 @@ def last_hidden_states(model, input_ids, attention_mask):
 # The prompt cache (the speed-up share_prompts), the batch layout, precision
 # ---------------------------------------------------------------------------------------------
 def distinct_prompts(model, prompt_ids, prompt_mask):
-    """Run each distinct prompt once; rows_of then hands every row its prompt's keys and values.
-
-    GRPO samples G completions per prompt, so its B*G rows hold only B distinct prompts: running
-    each once instead of G times removes (G-1)/G of the prompt work from the rollout and from
-    every log-prob pass, with the same results (gradients flow back through the copies).
-    Returns (the KV cache of the U distinct prompts; the logits of their last position [U, 1, V];
-    row_to_prompt [N], each row's entry).
-    """
+    """Run each distinct prompt once (share_prompts: docs/speed.md#the-speed-ups); rows_of then hands every row its
+    prompt's keys and values. prompt_ids, prompt_mask [N, P]. Returns (the KV cache of the U distinct prompts; the
+    logits of their last position [U, 1, V]; row_to_prompt [N], each row's entry)."""
     distinct, row_to_prompt = torch.unique(prompt_ids, dim=0, return_inverse=True)  # [U, P], [N]
     first_row = torch.zeros(len(distinct), dtype=torch.long, device=prompt_ids.device)
     first_row.scatter_(0, row_to_prompt, torch.arange(len(prompt_ids), device=prompt_ids.device))  # a row of each
@@ -345,8 +350,7 @@ class GrowingLayer(DynamicLayer):
 
     def batch_select_indices(self, indices):  # drop_finished: keep these rows, indices [b_kept] of the b
         length = self.keys.shape[-2]
-        # Speed: index_select copies the kept rows faster than indexing with [indices] (the same values);
-        # on the tiny model a rollout of 128 rows took 0.16 s instead of 0.17 (medians of 42, 2026-11-26)
+        # Speed: index_select copies the kept rows faster than indexing with [indices] (the same values)
         self.key_room, self.value_room = (x.index_select(0, indices) for x in (self.key_room, self.value_room))
         self.keys, self.values = self.key_room[:, :, :length], self.value_room[:, :, :length]
 
@@ -381,7 +385,7 @@ def checkpointing(model) -> bool:
 
 def autocast(model):
     """bf16 autocast on a GPU that supports it: matrix products in bf16, weights, gradients and
-    AdamW states stay fp32 (mixed precision). Nothing on the CPU, where it was no faster here."""
+    AdamW states stay fp32 (mixed precision). Off on the CPU, where bf16 matrix products are not faster."""
     device = next(model.parameters()).device
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -426,25 +430,9 @@ def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, 
     captured once per batch shape as a CUDA graph (on the CPU, where the tests run it, uncaptured).
     cache and logits [N, 1, V]: the prompts' run (prefill, as in the plain loop); completion_ids
     [N, max_new_tokens] is filled in. Returns the last step t.
-
-    Speed: on a GPU, a small model's decoded token costs the launches of its kernels, not their
-    work: the model's forward launches about 1,900 operations per token for a 0.5B model, each
-    from Python and each a few microseconds of GPU time however small. Two changes remove most of
-    it. A CUDA graph records a step's launches once and replays them with one call; but it replays
-    the same shapes at the same addresses, so the cache has one size, L = P + max_new_tokens
-    rounded up to STATIC_BUCKET, each step writes its token's keys and values at a column it reads
-    from a tensor, a bias [N, 1, 1, L] (0 or -inf) says which columns each row attends to, and rows
-    that wrote EOS keep their slot (what they write after it is padding, masked out as without
-    drop_finished). And the step is decode_step, the model's arithmetic for one token written out
-    with fewer, larger kernels, on the rollout's own copy of the weights (RolloutWeights: in bf16
-    on a GPU, LoRA merged in, refreshed at every call).
-
-    Greedy tokens are the plain loop's where no two logits nearly tie: on the CPU the step adds the
-    same products in another order (float32 rounding); on a GPU it computes in bf16 throughout,
-    where the plain loop keeps fp32 between autocast's bf16 products. Sampled tokens may differ
-    from the plain loop's: that loop draws from fewer rows once rows leave the batch (drop_finished),
-    so its random numbers fall on other rows, and a draw close to the boundary between two tokens
-    goes either way when the probabilities differ by rounding. Both sample the same distribution."""
+    Speed: one replay of decode_step (fewer, larger kernels) in place of the ~1,900 kernel launches a token
+    of a 0.5B model's forward. Greedy tokens match the plain loop's up to near-ties; sampled ones come from the same
+    distribution. The layout, and why tokens may differ: docs/scaling.md#the-rollout-on-a-gpu-the-static-cache"""
     refusal = static_cache_refusal(model, cache)
     if refusal:
         raise ValueError(refusal)

@@ -26,97 +26,38 @@ import torch
 import common
 import harness
 import rollout
-from common import setting
 
 
 @dataclass
-class Config:
+class Config(harness.PolicyConfig):
+    """SFT's settings are the run's: harness.PolicyConfig's, at these defaults."""
+    # the run's settings (harness.py) at this script's defaults
     model: str = "tiny"
-    """'tiny' builds the embedded ~1M-parameter model from scratch; else a local folder or hub id"""
+    """'tiny' builds the embedded ~1M-parameter model from scratch"""
     dataset: str = "data/demos"
-    """a folder with train.jsonl / test.jsonl, or a hub dataset: GSM8K's schema (openai/gsm8k) or prompt/chosen
-    (Dahoas/rm-static)"""
+    """GSM8K's schema (openai/gsm8k) or prompt/chosen (Dahoas/rm-static)"""
     output_dir: str = "out/sft"
-    """where the checkpoint, metrics.jsonl, eval.json and the PNG go"""
-    overwrite_output_dir: bool = False
-    """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
-    system_prompt: str = ""
-    """optional system message before each question (a hub model may need the format explained)"""
-    max_steps: int = setting(700, lambda v: v >= 1, "at least 1")
-    """optimizer steps"""
-    per_device_train_batch_size: int = setting(32, lambda v: v >= 1, "at least 1")
-    """examples per forward pass (a micro-batch), per process"""
-    gradient_accumulation_steps: int = setting(1, lambda v: v >= 1, "at least 1")
-    """micro-batches per optimizer step: a step's batch is per_device_train_batch_size x gradient_accumulation_steps
-    (x processes); accumulation changes memory, not the result"""
-    learning_rate: float = setting(2e-3, lambda v: v > 0, "positive")
-    """peak learning rate of AdamW (use ~1e-5 for a pretrained model)"""
-    warmup_steps: int = setting(30, lambda v: v >= 0, "0 or more")
-    """linear warmup steps from 0 to learning_rate, then a cosine decay"""
-    min_lr_rate: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")
-    """the cosine ends at min_lr_rate * learning_rate"""
-    weight_decay: float = setting(0.01, lambda v: v >= 0, "0 or more")
-    """AdamW weight decay"""
-    max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
-    """gradient clipping norm"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """max new tokens when evaluating (and the longest training answer kept)"""
-    eval_steps: int = setting(350, lambda v: v >= 1, "at least 1")
-    """evaluate held-out accuracy every this many steps"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out problems per evaluation (0 = the whole test split)"""
-    eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """completions generated at once during evaluation (lower it for a large model)"""
+    max_steps: int = 700
+    per_device_train_batch_size: int = 32
+    """a row is one prompt + its answer"""
+    max_completion_length: int = 64
+    """training answers longer than this are dropped"""
+    learning_rate: float = 2e-3
+    """use ~1e-5 for a pretrained model"""
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    eval_steps: int = 350
     eval_on_start: bool = False
-    """evaluate before the first step too (the starting model's accuracy)"""
-    logging_steps: int = setting(10, lambda v: v >= 1, "at least 1")
-    """write a metrics.jsonl line every this many steps"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed"""
-    lora_r: int | None = setting(None, lambda v: v is None or v >= 1,
-                                 "a positive rank (leave it out to train every weight)")
-    """LoRA rank: train low-rank adapters instead of every weight (needs a pretrained --model);
-    unset = full fine-tuning"""
-    lora_alpha: float = setting(16.0, lambda v: v > 0, "positive")
-    """LoRA scale: the adapter's output is multiplied by lora_alpha / lora_r"""
-    lora_dropout: float = setting(0.0, lambda v: 0 <= v < 1, "in [0, 1)")
-    """dropout on the adapter's input"""
-    lora_target_modules: str = "all-linear"
-    """linear layers that get adapters: 'all-linear' or names such as q_proj,v_proj"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (large models)"""
-    fsdp: bool = False
-    """under torchrun: shard the model's weights, gradients and AdamW states over the processes (FSDP2), instead
-    of a full copy on each (data parallelism); the saved model is whole, resumable checkpoints are sharded"""
-    save_steps: int = setting(100, lambda v: v >= 1, "at least 1")
-    """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
-    resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
-    trust_remote_code: bool = False
-    """let a hub model run its own Python code (off: only its weights and config are loaded)"""
-    merge_lora: bool = False
-    """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
+    logging_steps: int = 10
+    save_steps: int = 100
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """Token-mean negative log-likelihood of the answer tokens (stage 1 of note 000):
-
+    """Token-mean NLL of the answer tokens (note 000's stage 1, the prompt masked as in TRL's completion_only_loss):
         loss = -sum(logprobs * mask) / num_tokens,      num_tokens = sum(mask) by default
-
-    logprobs [N, T] are log pi(answer token | prompt, earlier answer tokens); mask [N, T] is 1 on
-    real answer tokens (EOS included) and 0 on padding, so prompt and padding never count.
-    Note 000's DeepSpeed-Chat trains its SFT stage on prompt + answer alike; we mask the prompt, as
-    TRL's SFTTrainer does with completion_only_loss: the model is not asked to predict the user's
-    question, and every gradient goes to the answers it will be asked to write.
-    With gradient accumulation, num_tokens is the answer-token count of the whole step (all its
-    micro-batches): each micro-batch's loss is then its share of the step's token mean, and the
-    micro-batches' losses and gradients add up to those of one pass over the step's batch.
-    (Under torchrun the count is the global batch's, per process: see common.token_count.)"""
+    logprobs, mask [N, T], mask 1 on real answer tokens (EOS included). Details: docs/classic_rlhf.md#the-sft-loss"""
     mask = mask.to(logprobs.dtype)
-    return -(logprobs * mask).sum() / (common.token_count(mask) if num_tokens is None else num_tokens)
+    return -(logprobs * mask).sum() / (common.mean_denominator(mask) if num_tokens is None else num_tokens)
 
 
 def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length: int, name: str | None = None):
@@ -220,7 +161,7 @@ def main(cfg: Config):
         batch, size = run.rng.sample(examples, batch_size), cfg.per_device_train_batch_size
         micro_batches = [[x.to(run.device) for x in collate(batch[i : i + size], tokenizer.pad_token_id)]
                          for i in range(0, batch_size, size)]
-        num_tokens = common.token_count(torch.cat([answer_mask.flatten() for *_, answer_mask in micro_batches]))
+        num_tokens = common.mean_denominator(torch.cat([answer_mask.flatten() for *_, answer_mask in micro_batches]))
 
         # Each micro-batch divides by the step's answer-token count, so the gradients that backward() adds up
         # are those of one pass over the step's batch (up to float rounding). One pass per micro-batch, no

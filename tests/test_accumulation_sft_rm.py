@@ -28,7 +28,7 @@ def _random_tokens(generator, lengths) -> list[list[int]]:
 
 
 # --- function level: the losses' num_tokens / num_pairs -----------------------------------------
-def test_sft_micro_batches_with_the_step_token_count_give_the_one_pass_gradient():
+def test_sft_micro_batches_with_the_step_mean_denominator_give_the_one_pass_gradient():
     torch.manual_seed(0)
     tokenizer = common.build_tokenizer()
     model = common.build_tiny_model(tokenizer)
@@ -47,7 +47,7 @@ def test_sft_micro_batches_with_the_step_token_count_give_the_one_pass_gradient(
     loss.backward()
     one_pass = _gradient(model)
 
-    num_tokens = common.token_count(answer_mask)  # the whole step's 140 answer tokens
+    num_tokens = common.mean_denominator(answer_mask)  # the whole step's 140 answer tokens
     assert num_tokens.item() == 140
     shares = []
     for batch in micro_batches:

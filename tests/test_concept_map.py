@@ -85,7 +85,7 @@ REQUIRED_FUNCTIONS = {
     "mix.py": ["mix_loss", "sft_loss", "load_expert_examples", "append_rows", "main"],
     "dpo.py": ["sigmoid_loss", "ipo_loss", "simpo_loss", "implicit_rewards", "rank_pairs", "main"],
     "rollout.py": ["generate", "completion_logprobs", "gather_logprobs", "mask_after_eos"],
-    "common.py": ["reference_model", "add_lora", "token_count"],
+    "common.py": ["reference_model", "add_lora", "mean_denominator"],
     "distributed.py": ["memory_estimate", "setup", "average_gradients", "shard_model", "gathered"],
 }
 

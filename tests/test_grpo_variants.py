@@ -29,7 +29,7 @@ def old_grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_e
     per_token = torch.where(mask, per_token, 0.0)
     if loss_type == "grpo":
         return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / len(mask)
-    return per_token.sum() / common.token_count(mask)
+    return per_token.sum() / common.mean_denominator(mask)
 
 
 def batch(seed=0, B=6, T=5):

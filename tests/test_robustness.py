@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import checks
 import common
 import dpo
 import harness
@@ -117,11 +118,10 @@ CASES = [
     (["dpo.py"], ["--online", "true", "--prompts", "{pairs}", "--judge", "{a_reward_model}"], "has no gold answers"),
     (ALL, ["--model", "{no_chat_template}"], "has no chat template"),
     # settings
-    (["grpo.py", "mix.py"], ["--loss_type", "mean"],
-     "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, cispo, not 'mean'"),
-    (["grpo.py", "mix.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
-    (["grpo.py", "mix.py"], ["--importance_sampling_level", "seq"],
-     "--importance_sampling_level must be one of token, sequence"),
+    (["grpo.py"], ["--loss_type", "mean"], "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, cispo, not 'mean'"),
+    (["mix.py"], ["--loss_type", "cispo"], "--loss_type must be one of grpo, bnpo, dapo, dr_grpo, not 'cispo'"),
+    (["grpo.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
+    (["grpo.py"], ["--importance_sampling_level", "seq"], "--importance_sampling_level must be one of token, sequence"),
     (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
     (["grpo.py", "mix.py", "ppo.py", "dpo.py"], ["--log_completions_steps", "-1"],
      "--log_completions_steps must be 0 or more"),
@@ -345,7 +345,9 @@ def test_a_checkpoint_whose_weights_diverge_is_not_kept(tmp_path):
     assert f"{out}/checkpoint holds the last weights that gave finite values" in result.stderr
 
 
-def test_check_finite_promotes_a_checkpoint_only_after_finite_values(tmp_path):
+def test_a_checkpoint_is_promoted_only_after_its_weights_gave_finite_values(tmp_path):
+    """check_finite drops checkpoint.new when its weights gave a NaN or inf; the end of a step whose
+    gradients were checked finite promotes it (promote_checkpoint)."""
     for name, step in (("checkpoint", 4), ("checkpoint.new", 6)):
         write(tmp_path / name / "state.pt", f"step {step}")
     with pytest.raises(SystemExit, match="step 7: the loss is inf"):
@@ -356,6 +358,8 @@ def test_check_finite_promotes_a_checkpoint_only_after_finite_values(tmp_path):
     )
     write(tmp_path / "checkpoint.new" / "state.pt", "step 8")
     harness.check_finite(9, str(tmp_path), grad_norm=1.0, loss=0.5)
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint", "checkpoint.new"]  # finite: kept, not yet promoted
+    harness.promote_checkpoint(str(tmp_path))
     assert (
         sorted(os.listdir(tmp_path)) == ["checkpoint"]
         and (tmp_path / "checkpoint" / "state.pt").read_text() == "step 8"
@@ -391,7 +395,22 @@ def test_every_numeric_setting_has_a_range():
     for name, module in SCRIPTS.items():
         for field in dataclasses.fields(module.Config):
             if field.type in (int, float, int | None, float | None):
-                assert "usable" in field.metadata, f"{name} --{field.name} has no range check (declare it with setting)"
+                assert checks.declared_check(module.Config, field.name), \
+                    f"{name} --{field.name} has no range check (declare it with setting)"
+
+
+def test_the_runs_settings_are_declared_once():
+    """The run's settings (harness.RunConfig and the two that extend it) are declared, with their
+    help and check, in harness.py only: a script's Config may change a default, never the check."""
+    run_fields = {field.name for field in dataclasses.fields(harness.RLConfig)}
+    for name, module in SCRIPTS.items():
+        own = module.Config.__dict__["__dataclass_fields__"]
+        assert issubclass(module.Config, harness.RunConfig), name
+        for field_name in run_fields & set(vars(module.Config).get("__annotations__", {})):
+            assert "usable" not in own[field_name].metadata, f"{name} declares the run's --{field_name} again"
+    # and a setting whose default a script changes keeps the run's check
+    with pytest.raises(SystemExit, match="--max_steps must be at least 1"):
+        checks.check_settings(sft.Config(max_steps=0))
 
 
 @pytest.mark.slow

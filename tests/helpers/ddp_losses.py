@@ -2,7 +2,7 @@
 (torchrun) on N slices of it, then averaged as in training. Saves them (rank 0) to argv[1].
 
 The rows have very different completion lengths, so a token mean over each slice would differ
-from the token mean over the batch: only the global normalisation (common.token_count) agrees.
+from the token mean over the batch: only the global normalisation (common.mean_denominator) agrees.
 "dapo_local_mean" is the mistake the test must catch: each process divides by its own token count.
 With --fsdp (argv[2]) the model is sharded (distributed.shard_model) and FSDP reduces the gradients."""
 import os
