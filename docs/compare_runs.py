@@ -8,7 +8,9 @@ time of the run (`time/elapsed`, evaluations included), one colour per run, and 
 numbers as a table, so a README can quote exactly what the figure shows. With --pipeline the
 runs after the first start from its checkpoint (SFT -> RL), so their steps and clocks are drawn
 from where the first run's ended; --after LABEL=FOLDER puts the run FOLDER holds on that run's clock
-before it (PPO's reward model, which PPO cannot start without).
+before it (PPO's reward model, which PPO cannot start without). With --gains (a pipeline whose
+first run is SFT) the figure has two panels instead: SFT's held-out accuracy against its step, and
+each later run's gain, its held-out sampled accuracy minus its own step-0 evaluation, against its step.
 """
 import argparse
 import json
@@ -41,8 +43,12 @@ def main():
     parser.add_argument("--steps_only", action="store_true", help="only the step axis (no wall-clock column)")
     parser.add_argument("--after", nargs="*", default=[], metavar="LABEL=FOLDER",
                         help="the run LABEL starts on the clock after the run in FOLDER (e.g. PPO=out/rm)")
+    parser.add_argument("--gains", action="store_true",
+                        help="two panels: the first run's accuracy, then each later run's gain over its step 0")
     args = parser.parse_args()
     runs = dict(run.split("=", 1) for run in args.runs)
+    if args.gains:
+        return draw_gains(runs, args.title, args.output)
     before = {label: read_rows(folder)[-1]["time/elapsed"] for label, folder in (a.split("=", 1) for a in args.after)}
     first = read_evals(next(iter(runs.values())))[-1]
     step0, clock0 = (first["step"], first.get("time/elapsed", 0.0)) if args.pipeline else (0, 0.0)
@@ -81,6 +87,42 @@ def main():
     fig.tight_layout()
     fig.savefig(args.output, dpi=110)
     print(f"wrote {args.output}")
+
+
+def draw_gains(runs: dict, title: str, output: str):
+    """The first run (SFT) on its own panel, sampled and greedy accuracy against its step; the later
+    runs (RL from its checkpoint) on a second, each one's gain in held-out sampled accuracy over its
+    own step-0 evaluation, in points, against its step. Prints the numbers it draws."""
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    (first_label, first_folder), *later = runs.items()
+    evals = read_evals(first_folder)
+    for key, style in (("eval/accuracy_sampled", "-"), ("eval/accuracy_greedy", "--")):
+        left.plot([row["step"] for row in evals], [100 * row[key] for row in evals], style, marker="o",
+                  color=colors[0], label=f"{KEYS[key]}")
+    left.set(title=f"{first_label}: held-out accuracy", xlabel=f"{first_label} step", ylabel="accuracy, %")
+    print(f"{first_label}: " + ", ".join(f"step {row['step']} {100 * row['eval/accuracy_sampled']:.1f} / "
+                                         f"{100 * row['eval/accuracy_greedy']:.1f}" for row in evals))
+    for (label, folder), color in zip(later, colors[1:]):
+        evals = read_evals(folder)
+        start = evals[0]
+        gains = [100 * (row["eval/accuracy_sampled"] - start["eval/accuracy_sampled"]) for row in evals]
+        right.plot([row["step"] for row in evals], gains, marker="o", color=color,
+                   label=f"{label}: {100 * start['eval/accuracy_sampled']:.1f}% -> "
+                         f"{100 * evals[-1]['eval/accuracy_sampled']:.1f}%")
+        print(f"{label}: sampled {100 * start['eval/accuracy_sampled']:.1f} -> "
+              f"{100 * evals[-1]['eval/accuracy_sampled']:.1f} (gain {gains[-1]:+.1f}), greedy "
+              f"{100 * start['eval/accuracy_greedy']:.1f} -> {100 * evals[-1]['eval/accuracy_greedy']:.1f}")
+    right.axhline(0, color="gray", linewidth=0.8)
+    right.set(title=f"RL from the {first_label} model: gain", xlabel="RL step",
+              ylabel="gain: sampled accuracy minus step 0's, points")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(output, dpi=110)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":
