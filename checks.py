@@ -62,6 +62,15 @@ def check_whole_run(folder: str):
              "the move, then read it")
 
 
+def check_finite_scores(scores, what: str):
+    """Stop at a NaN or infinite score from a learned judge or reward model: compared or summed as
+    numbers they would pass silently (NaN != NaN: every pair would count, its second sample chosen)."""
+    if not bool(scores.isfinite().all()):
+        bad = scores[~scores.isfinite()][0].item()
+        fail(f"{what} gave a score of {bad}: its scores must be finite numbers (a reward model written by "
+             "reward_model.py that did not diverge)")
+
+
 def check_fits_context(model, num_tokens: int, what: str):
     """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
     rather than let them fail deep inside a forward pass."""

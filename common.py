@@ -38,7 +38,8 @@ from transformers import (  # noqa: E402
 
 import distributed  # noqa: E402
 import rollout  # noqa: E402
-from checks import check_fits_context, check_length_drops, check_rows, check_whole_run, fail  # noqa: E402, F401
+from checks import (check_finite_scores, check_fits_context, check_length_drops, check_rows,  # noqa: E402, F401
+                    check_whole_run, fail)
 from distributed import global_min, global_sum, log  # noqa: E402, F401  (over processes; rank 0's line)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar

@@ -98,6 +98,11 @@ class Config(harness.RLConfig):
     eval_steps: int = 50
     save_steps: int = 50
 
+    def check_together(self):
+        if self.changed("judge") and not self.online:
+            common.fail("--judge ranks online DPO's own samples: add --online true (offline DPO learns from the "
+                        "pairs of --dataset)")
+
 
 # ---------------------------------------------------------------------------------------------
 # The losses. Each takes, per pair, the summed log-probs of the chosen and rejected answers under
@@ -199,6 +204,7 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg):
     correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
     scores = (correct if judge_model is None else  # [2B]
               reward_model_judge(judge_model, input_ids, attention_mask, cfg.per_device_train_batch_size))
+    common.check_finite_scores(scores, f"--judge {cfg.judge}")
     order, weights = rank_pairs(scores)  # [2B]: chosen rows then rejected rows; [B]: 0 for a tie
     order = order.to(input_ids.device)
     metrics = {"online/pairs": weights.sum().item(), "online/ties": 1 - weights.mean().item(),

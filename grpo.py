@@ -104,6 +104,12 @@ class Config(harness.RLConfig):
         if self.loss_type == "cispo" and (self.epsilon_high is None or self.importance_sampling_level != "token"):
             common.fail("--loss_type cispo caps each token's ratio at --epsilon_high, an absolute cap (MiniMax-M1 and "
                         "TRL suggest 5.0): set it, and keep --importance_sampling_level token")
+        if self.loss_type == "cispo" and self.epsilon_high < 1:
+            common.fail(f"--loss_type cispo weighs each token by its ratio capped at --epsilon_high, an absolute cap: "
+                        f"{self.epsilon_high} is below 1 and lowers every token's weight, even at ratio 1 (try 5.0)")
+        if self.changed("max_sampling_rounds") and not self.dynamic_sampling:
+            common.fail("--max_sampling_rounds limits DAPO's dynamic sampling: add --dynamic_sampling true, or leave "
+                        "it out")
         if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
             common.fail(f"--scale_rewards belongs to --advantage_estimator grpo; {self.advantage_estimator} has its "
                         "own scale")

@@ -127,6 +127,10 @@ class RunConfig:
         """Settings that only work together: a script's Config overrides this with its own checks
         (checks.check_settings calls it, before anything is loaded or written)."""
 
+    def changed(self, name: str) -> bool:
+        """Whether the setting `name` differs from its default (a setting that needs a partner)."""
+        return getattr(self, name) != self.__dataclass_fields__[name].default
+
 
 @dataclasses.dataclass
 class PolicyConfig(RunConfig):
@@ -138,7 +142,8 @@ class PolicyConfig(RunConfig):
 @dataclasses.dataclass
 class RLConfig(PolicyConfig):
     """A script that trains a policy on its own samples (ppo.py, grpo.py, mix.py, dpo.py --online)."""
-    temperature: float = setting(1.0, lambda v: v > 0, "positive")
+    temperature: float = setting(1.0, lambda v: v >= 0.01, "at least 0.01 (below it the log-probs of the "
+                                 "tempered distribution overflow to NaN; the evaluation has a greedy score)")
     """sampling temperature of the rollout (the log-probs are those of the same distribution)"""
     log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl

@@ -358,6 +358,7 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
     else:
         score = rollout.inference(reward_scores, reward_model, input_ids, attention_mask,
                                   micro_batches=micro_batches)  # [B]
+        common.check_finite_scores(score, f"--reward_model {cfg.reward_model}")
     first_pass = None
     if makes_one_update(cfg):  # Speed: the only update's own pass runs now; detached, it is pi_old and V_old
         first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)

@@ -123,6 +123,10 @@ CASES = [
     (["grpo.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
     (["grpo.py"], ["--importance_sampling_level", "seq"], "--importance_sampling_level must be one of token, sequence"),
     (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
+    (["grpo.py"], ["--loss_type", "cispo", "--epsilon_high", "0.5"], "0.5 is below 1 and lowers every token's weight"),
+    (["grpo.py"], ["--max_sampling_rounds", "8"], "--max_sampling_rounds limits DAPO's dynamic sampling"),
+    (["dpo.py"], ["--judge", "out/rm"], "--judge ranks online DPO's own samples: add --online true"),
+    (["ppo.py", "grpo.py", "mix.py", "dpo.py"], ["--temperature", "1e-9"], "--temperature must be at least 0.01"),
     (["grpo.py", "mix.py", "ppo.py", "dpo.py"], ["--log_completions_steps", "-1"],
      "--log_completions_steps must be 0 or more"),
     (["dpo.py"], ["--loss_type", "dpo"], "--loss_type must be one of sigmoid, ipo, simpo, not 'dpo'"),
@@ -388,6 +392,24 @@ def test_resume_restores_metrics_from_the_checkpoint(tmp_path):
         result = run_main("sft.py", *args, "--output_dir", broken, "--resume", "true")
         assert "resumed from" in result.stdout
         assert_same_run(whole, broken)
+
+
+def test_a_judges_non_finite_score_stops_the_run():
+    """A NaN or inf score of a learned judge or reward model stops with one sentence, not a silent
+    preference (NaN != NaN would count every pair) or a NaN reward."""
+    checks.check_finite_scores(torch.tensor([0.5, -2.0]), "--judge out/rm")  # finite: nothing happens
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(SystemExit, match=f"--judge out/rm gave a score of {bad}: its scores must be finite"):
+            checks.check_finite_scores(torch.tensor([0.5, bad]), "--judge out/rm")
+
+
+def test_troubleshooting_counts_the_table():
+    """docs/troubleshooting.md quotes the size of the bad-input table: it stays the table's."""
+    with open(os.path.join(ROOT, "docs", "troubleshooting.md")) as f:
+        text = " ".join(f.read().split())
+    scripts = {script for script, _, _ in TABLE}
+    words = {6: "six", 5: "five"}
+    assert f"holds the table: {len(CASES)} cases, {len(TABLE)} rows over the {words[len(scripts)]} scripts" in text
 
 
 def test_every_numeric_setting_has_a_range():
