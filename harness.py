@@ -21,6 +21,7 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import hashlib
 import inspect
 import json
 import math
@@ -161,7 +162,8 @@ class Run:
         processes, and seed: each process draws its own samples (seed + rank)."""
         check_settings(cfg)
         self.cfg = cfg
-        self.dir = prepare_output_dir(cfg, inputs)
+        self.record = run_record(cfg, inputs)  # run.json: script, model, settings, what each input held
+        self.dir = prepare_output_dir(cfg, inputs, self.record)
         self.rank, self.world_size = distributed.setup()  # rank 0 of 1 without torchrun
         check_fsdp(cfg, self.world_size)
         common.set_seed(cfg.seed + self.rank)
@@ -279,7 +281,7 @@ class Run:
             save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder)
         write_json(os.path.join(self.dir, "eval.json"), self.scores)
         png = plot_metrics(self.dir, plots, title)
-        finish_output_dir(self.dir, self.cfg)
+        finish_output_dir(self.dir, self.cfg, self.record)
         change = ", ".join(f"{name.replace('_', ' ')} " + (f"{_show(name, self.initial[name])} -> " if self.initial
                                                              else "") + _show(name, value)
                            for name, value in self.scores.items() if name != "n")
@@ -306,7 +308,7 @@ class Run:
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
             results = {"initial": self.initial, "scores": self.scores, "state": self.state,
                        "elapsed": time.perf_counter() - self.started}
-            save_training_state(self.dir, cfg, step, results, **self.training_state)
+            save_training_state(self.dir, self.record, step, results, **self.training_state)
 
     def _eval_metrics(self, step: int, scores: dict) -> dict:
         """eval/<name> for each held-out score, and the run's clock; the scores printed."""
@@ -357,10 +359,13 @@ def writing(what: str, folder: str, temporary: str | None = None):
         yield
     except Exception as error:
         if temporary:
-            shutil.rmtree(temporary, ignore_errors=True)
+            remove(temporary)
         reason = os.strerror(error.errno) if getattr(error, "errno", None) else first_line(error)
+        run_dir = folder if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else os.path.dirname(folder)
+        kept = newest_checkpoint(run_dir)  # (a model's subfolder, such as critic/: its run's)
         fail(f"could not write {what} to {folder} ({reason}): free space on its disk, or choose another "
-             "--output_dir; the last good checkpoint is kept, and --resume true continues from it")
+             "--output_dir; " + (f"the last good checkpoint ({kept}) is kept, and --resume true continues from it"
+                                 if kept else "no checkpoint of this run was written yet, so it starts over"))
 
 
 def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
@@ -376,16 +381,25 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False)
         os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)
         save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove(tmp)
     with writing("the trained model", output_dir, temporary=tmp):
         # The scripts never resize the vocabulary, so peft need not read the base's config.json to check
         # whether to save the embeddings too (a .gguf base has none, and peft would warn).
         model.save_pretrained(tmp, **(dict(save_embedding_layers=False) if hasattr(model, "peft_config") else {}),
                               **(dict(state_dict=state_dict) if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
+    mode = 0o666 & ~_umask()  # safetensors writes its file private (0600); the run's other files get the umask's mode
     for name in os.listdir(tmp):
+        if os.path.isfile(os.path.join(tmp, name)):
+            os.chmod(os.path.join(tmp, name), mode)
         os.replace(os.path.join(tmp, name), os.path.join(output_dir, name))
     os.rmdir(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def check_finite(step: int, run_dir: str, **values):
@@ -398,11 +412,11 @@ def check_finite(step: int, run_dir: str, **values):
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
         if not math.isfinite(value):
             if is_main_process():
-                shutil.rmtree(os.path.join(run_dir, "checkpoint.new"), ignore_errors=True)
+                remove(os.path.join(run_dir, "checkpoint.new"))
             kept = newest_checkpoint(run_dir)
-            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update "
-                 + (f"({kept} holds the last weights that gave finite values). " if kept else "")
-                 + "A lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
+            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update"
+                 + (f" ({kept} holds the last weights that gave finite values)" if kept else "")
+                 + "; a lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
 
 
 def newest_checkpoint(run_dir: str) -> str | None:
@@ -419,17 +433,25 @@ def promote_checkpoint(run_dir: str):
     new, final, old = (os.path.join(run_dir, name) for name in ("checkpoint.new", "checkpoint", "checkpoint.old"))
     if not os.path.isdir(new):
         return
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(final):
+    remove(old)
+    if os.path.lexists(final):  # a folder, or a symbolic link to one (the link goes, never what it points to)
         os.rename(final, old)
     os.rename(new, final)
-    shutil.rmtree(old, ignore_errors=True)
+    remove(old)
 
 
-def save_training_state(run_dir: str, cfg, step: int, results: dict, models, optimizers, schedulers, rng):
+def remove(path: str):
+    """Remove a folder, a file or a symbolic link (the link only, never what it points to); nothing if absent."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.remove(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def save_training_state(run_dir: str, record: dict, step: int, results: dict, models, optimizers, schedulers, rng):
     """A resumable checkpoint: the weights, optimizer and scheduler states, every random generator
-    (of every process), the step, the metrics logged so far and run.json (script, model,
-    settings), so that --resume continues exactly where the run was, bit for bit on the same
+    (of every process), the step, the metrics logged so far and run.json (run_record: script,
+    model, settings, inputs), so that --resume continues exactly where the run was, bit for bit on the same
     machine, and knows whose run it continues.
 
     Written whole into checkpoint.tmp, then renamed to checkpoint.new; the next step promotes it
@@ -450,7 +472,7 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
     with writing("a checkpoint", run_dir, temporary=tmp):  # e.g. a full disk: the checkpoints before stay whole
         if is_main_process():
             promote_checkpoint(run_dir)  # an older checkpoint.new that no gradient check came after
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove(tmp)
             os.makedirs(tmp)
         if sharded:  # FSDP: each process its own shards; save() returns once all of them are written
             import torch.distributed.checkpoint as dcp
@@ -466,7 +488,7 @@ def save_training_state(run_dir: str, cfg, step: int, results: dict, models, opt
                  "optimizers": [] if sharded else [o.state_dict() for o in optimizers],
                  "schedulers": [s.state_dict() for s in schedulers]}
         torch.save(state, os.path.join(tmp, "state.pt"))
-        write_json(os.path.join(tmp, RUN_FILE), run_record(cfg))
+        write_json(os.path.join(tmp, RUN_FILE), record)
     os.rename(tmp, os.path.join(run_dir, "checkpoint.new"))
 
 
@@ -568,22 +590,47 @@ def _lock(folder: str):
     _locks[key] = descriptor
 
 
-def run_record(cfg) -> dict:
-    """What a checkpoint must know of its run: the script, the model, the settings, the processes."""
+def run_record(cfg, inputs: dict) -> dict:
+    """What a checkpoint must know of its run: the script, the model, the processes, the settings, and
+    what each input held when the run started (fingerprint), so that --resume can refuse one that changed."""
     model = cfg.model if not os.path.exists(cfg.model) else os.path.realpath(cfg.model)
     return {"script": os.path.basename(inspect.getfile(type(cfg))), "model": model,
-            "processes": int(os.environ.get("WORLD_SIZE", "1")), "settings": dataclasses.asdict(cfg)}
+            "processes": int(os.environ.get("WORLD_SIZE", "1")), "settings": dataclasses.asdict(cfg),
+            "inputs": {flag: fingerprint(path) for flag, path in inputs.items() if path and os.path.exists(path)}}
 
 
-def prepare_output_dir(cfg, inputs: dict) -> str:
+RUN_LOGS = ("metrics.jsonl", "completions.jsonl", "eval.json", RUN_FILE)  # what a run writes beside its model
+
+
+def fingerprint(path: str) -> str:
+    """The sha256 of what a local input holds: a file's bytes, or a folder's top-level files (names and
+    bytes: config, weights, tokenizer, data), without the run logs (RUN_LOGS, figures) and subfolders."""
+    digest = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(path, name) for name in sorted(os.listdir(path))
+        if name not in RUN_LOGS and not name.startswith(".") and not name.endswith(".png")
+        and os.path.isfile(os.path.join(path, name))]
+    for file in files:
+        digest.update(os.path.basename(file).encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
     """Check --output_dir before anything is loaded or written, lock it, and return the folder the
     run writes into: --output_dir itself for a new run into an empty folder and for --resume;
     <output_dir>/.next_run for a run that replaces an old one (--overwrite_output_dir), so the old
     one stays whole until the new one finishes and finish_output_dir moves it in.
-    `inputs` maps a flag to the path it reads (--model, --dataset, ...): none may be in the output."""
+    `inputs` maps a flag to the path it reads (--model, --dataset, ...): none may be in the output.
+    record: run_record(cfg, inputs), what --resume compares with the checkpoint's."""
     out = cfg.output_dir
     if not out.strip():
         fail("--output_dir is empty: name the folder the run writes to")
+    if os.path.islink(out) and not os.path.exists(out):
+        fail(f"--output_dir {out} is a symbolic link to {os.readlink(out)}, which does not exist: "
+             "make that folder, or choose another --output_dir")
     if os.path.exists(out) and not os.path.isdir(out):
         fail(f"--output_dir {out} is a file, not a folder")
     existing = os.path.abspath(out)
@@ -616,6 +663,8 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
     next_run = os.path.join(out, NEXT_RUN)
     if os.path.isfile(os.path.join(next_run, ".complete")) and _rank0():  # a kill fell inside the last move-in
         _move_in(out)
+    if _rank0():
+        remove_leftovers(out)
     if cfg.resume:
         run_dir = next_run if os.path.isdir(next_run) else out
         checkpoint = newest_checkpoint(run_dir)
@@ -624,7 +673,7 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
                  "start it again with --overwrite_output_dir true")
         if checkpoint is None:
             fail(f"--resume: no checkpoint in {out} (one is written every --save_steps steps)")
-        _check_same_run(cfg, checkpoint)
+        _check_same_run(cfg, checkpoint, record or run_record(cfg, inputs))
         return run_dir
     held = sorted(name for name in os.listdir(out) if not name.startswith("."))
     if held and not cfg.overwrite_output_dir:
@@ -634,16 +683,30 @@ def prepare_output_dir(cfg, inputs: dict) -> str:
     return next_run if held else out
 
 
-def _check_same_run(cfg, checkpoint: str):
+def remove_leftovers(output_dir: str):
+    """What a kill during a save left (checkpoint.tmp, a model's .checkpoint_tmp, in the folder, its
+    .next_run or a model's subfolder) goes when the next run into the folder starts, whatever that run is:
+    for a real model each is a model's size. Call it with the folder locked."""
+    for folder in (output_dir, os.path.join(output_dir, NEXT_RUN)):
+        if not os.path.isdir(folder):
+            continue
+        subfolders = [os.path.join(folder, name) for name in os.listdir(folder)
+                      if os.path.isdir(os.path.join(folder, name)) and not os.path.islink(os.path.join(folder, name))]
+        for parent in (folder, *subfolders):
+            for name in ("checkpoint.tmp", ".checkpoint_tmp"):
+                remove(os.path.join(parent, name))
+
+
+def _check_same_run(cfg, checkpoint: str, now: dict):
     """--resume continues the run it finds, as that run was set: another script's or model's
-    checkpoint, or a changed setting that shapes training, is refused; a changed setting of
-    RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step."""
+    checkpoint, an input whose files changed since the run started (the model pi_ref is read from,
+    a reward model, the data), or a changed setting that shapes training, is refused; a changed
+    setting of RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step."""
     try:
         with open(os.path.join(checkpoint, RUN_FILE)) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         fail(f"{checkpoint} has no readable {RUN_FILE}, so it cannot say whose run it is: start a new run")
-    now = run_record(cfg)
     if saved["script"] != now["script"]:
         fail(f"the checkpoint in {checkpoint} is {saved['script']}'s, not {now['script']}'s: "
              f"resume it with {saved['script']}")
@@ -652,6 +715,13 @@ def _check_same_run(cfg, checkpoint: str):
     if saved["processes"] != now["processes"]:
         fail(f"the checkpoint in {checkpoint} was written by {saved['processes']} processes, not {now['processes']}: "
              "resume with the same number")
+    for flag, before in saved.get("inputs", {}).items():  # (a checkpoint of an older version has none)
+        if now["inputs"].get(flag) != before:
+            path = now["settings"].get(flag.removeprefix("--"))
+            fail(f"--resume: {flag} {path} " + ("no longer exists" if flag not in now["inputs"] else
+                                                 "has changed since this run started (its files differ)")
+                 + f", and continuing would mix two starts: put back the {flag} the run started from, "
+                 "or start a new run (--overwrite_output_dir true)")
     old, new = saved["settings"], now["settings"]
     changed = [key for key in new if key != "model" and old.get(key) != new[key]]
     batch = ("per_device_train_batch_size", "gradient_accumulation_steps")
@@ -661,7 +731,7 @@ def _check_same_run(cfg, checkpoint: str):
         changes = ", ".join(f"--{k} was {old.get(k)}, now {new[k]}" for k in refused)
         fail(f"--resume continues the run as it was set, and {changes}: resume with the run's values, "
              "or start a new run (--overwrite_output_dir true)")
-    for key in changed:
+    for key in [key for key in changed if key not in ("resume", "overwrite_output_dir")]:
         if _rank0():
             tqdm.write(f"resume: --{key} {new[key]} (was {old.get(key)}) applies from here")
 
@@ -676,19 +746,19 @@ def start_output_dir(run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         _lock(output_dir)
         if run_dir != output_dir:
-            shutil.rmtree(run_dir)
+            remove(run_dir)
             os.makedirs(run_dir)
         open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
 
 
-def finish_output_dir(run_dir: str, cfg):
+def finish_output_dir(run_dir: str, cfg, record: dict):
     """The end of a run: its last checkpoint counts as good, run.json lists what it wrote, and a
     run that replaces an old one moves into --output_dir (rank 0)."""
     if not is_main_process():
         return
     promote_checkpoint(run_dir)
     files = sorted(name for name in os.listdir(run_dir) if not name.startswith("."))
-    write_json(os.path.join(run_dir, RUN_FILE), {**run_record(cfg), "files": sorted({*files, RUN_FILE})})
+    write_json(os.path.join(run_dir, RUN_FILE), {**record, "files": sorted({*files, RUN_FILE})})
     if os.path.basename(run_dir) == NEXT_RUN:
         write_json(os.path.join(run_dir, ".complete"), {"files": sorted({*files, RUN_FILE})})  # from here on, a kill is
         _move_in(cfg.output_dir)  # finished by the next run into the folder (prepare_output_dir)
@@ -712,12 +782,12 @@ def _move_in(output_dir: str):
             old = set()
         for name in sorted((old | set(WEIGHT_FILES)) - new):
             path = os.path.join(output_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.remove(path) if os.path.exists(path) else None)
+            remove(path)
     for name in sorted(new - {RUN_FILE}) + [RUN_FILE]:  # run.json last: while it waits, the old run's files may remain
         source, target = os.path.join(next_run, name), os.path.join(output_dir, name)
         if os.path.exists(source):
             if os.path.isdir(target):
-                shutil.rmtree(target)
+                remove(target)
             os.replace(source, target)
     shutil.rmtree(next_run)
 

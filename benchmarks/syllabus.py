@@ -23,6 +23,12 @@ CONTROLS names, so the difference between the two is that one thing's effect (on
     grpo_4_iterations    grpo with 4 updates per batch (num_iterations 4)
     grpo_perfect_teacher grpo from an SFT model of the same seed trained on a perfect teacher's
                          demonstrations (data/make_data.py --careless 0) instead of the careless one's
+    grpo_4_iterations_3e-4
+                         grpo_4_iterations at lr 3e-4 instead of 5e-5: steps large enough for the
+                         ratio to reach the clip's edge on some tokens
+    grpo_4_iterations_3e-4_no_clip
+                         grpo_4_iterations_3e-4 with the clip removed (--epsilon 1e6): what the clip
+                         held back, at settings where it acts
 
 Outputs: out/syllabus/<start or method>/<seed>/ (the runs; a finished run is read, not repeated),
 docs/syllabus.json (each run's evaluations, minutes and the metrics the pages quote: the tables and
@@ -62,6 +68,9 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
                          "sft"),
     "grpo_4_iterations": ("grpo.py", ["--num_iterations", "4"], "sft"),
     "grpo_perfect_teacher": ("grpo.py", [], "sft_perfect"),
+    "grpo_4_iterations_3e-4": ("grpo.py", ["--num_iterations", "4", "--learning_rate", "3e-4"], "sft"),
+    "grpo_4_iterations_3e-4_no_clip": ("grpo.py", ["--num_iterations", "4", "--learning_rate", "3e-4",
+                                                   "--epsilon", "1e6"], "sft"),
 }
 CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "rule_ppo": ("rm_ppo", "the reward: the checker instead of the reward model"),
@@ -70,11 +79,13 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "rm_ppo_4_updates": ("rm_ppo", "4 updates per batch (2 epochs of 2 mini-batches) instead of 1"),
     "grpo_4_iterations": ("grpo", "4 updates per batch instead of 1"),
     "grpo_perfect_teacher": ("grpo", "the SFT data: a perfect teacher's demonstrations"),
+    "grpo_4_iterations_3e-4": ("grpo_4_iterations", "the learning rate: 3e-4 instead of 5e-5"),
+    "grpo_4_iterations_3e-4_no_clip": ("grpo_4_iterations_3e-4", "no clip (--epsilon 1e6) instead of 0.2"),
 }
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
                             "tab:red", "tab:pink", "tab:cyan", "tab:purple", "tab:brown", "darkgreen", "navy",
-                            "tab:gray"]))  # one colour a method, in every panel
+                            "tab:gray", "gold", "black"]))  # one colour a method, in every panel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +203,7 @@ def summary(folder: str, folders: dict, stats: dict | None) -> dict:
     last10 = {key: statistics.fmean(row[key] for row in train_rows[-10:])
               for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "score", "accuracy")
               if key in train_rows[-1]}
-    kept = ("learning_rate", "beta", "kl_coef", "num_iterations", "num_ppo_epochs", "num_mini_batches",
+    kept = ("learning_rate", "beta", "kl_coef", "num_iterations", "num_ppo_epochs", "num_mini_batches", "epsilon",
             "per_device_train_batch_size", "num_generations", "mu", "online", "judge", "dataset", "reward_model")
     summary = {"settings": {k: settings.get(k) for k in kept if k in settings},
                "evals": [{"step": row["step"], "sampled": 100 * row["eval/accuracy_sampled"],
@@ -232,7 +243,8 @@ def given(run: dict) -> str:
     updates = (f", {s['num_ppo_epochs']} epochs x {s['num_mini_batches']} mini-batches"
                if s.get("num_ppo_epochs", 1) * s.get("num_mini_batches", 1) > 1 else
                f", {s['num_iterations']} updates" if s.get("num_iterations", 1) > 1 else "")
-    return f"lr {s['learning_rate'] or ('5e-05' if s.get('online') else '5e-06')}, {kl}{updates}"
+    clip = ", no clip" if s.get("epsilon", 0.2) >= 1 else ""
+    return f"lr {s['learning_rate'] or ('5e-05' if s.get('online') else '5e-06')}, {kl}{updates}{clip}"
 
 
 def table(results: dict) -> str:

@@ -182,6 +182,10 @@ CASES = [
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{no_run_json}"], "has no readable run.json"),
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{stopped_early}"],
      "stopped before its first checkpoint"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{changed_input}"],
+     "--resume: --dataset data/arithmetic has changed since this run started (its files differ), and continuing "
+     "would mix two starts"),
+    (ALL, ["--output_dir", "{dangling}"], "is a symbolic link to /nonexistent/disk/run, which does not exist"),
 ]
 TABLE = [(script, args, message) for scripts, args, message in CASES for script in scripts]
 
@@ -258,6 +262,14 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     shutil.copytree(sft_checkpoint, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
     write(tmp / "stopped_early" / ".next_run" / "metrics.jsonl", '{"step": 1}\n')
     folders["stopped_early"] = str(tmp / "stopped_early")
+    # an sft.py run whose --dataset held other files when it started than it holds now
+    shutil.copytree(sft_checkpoint, tmp / "changed_input", ignore=shutil.ignore_patterns("*.safetensors"))
+    record = json.loads((tmp / "changed_input" / "checkpoint" / "run.json").read_text())
+    record["inputs"]["--dataset"] = "0" * 64
+    (tmp / "changed_input" / "checkpoint" / "run.json").write_text(json.dumps(record))
+    folders["changed_input"] = str(tmp / "changed_input")
+    os.symlink("/nonexistent/disk/run", tmp / "dangling")
+    folders["dangling"] = str(tmp / "dangling")
     # a run folder into which a finished run was being moved when it stopped (.next_run/.complete written)
     shutil.copytree(sft_checkpoint, tmp / "half_moved", ignore=shutil.ignore_patterns("checkpoint*"))
     write(tmp / "half_moved" / ".next_run" / ".complete", json.dumps({"files": ["model.safetensors"]}))
@@ -759,3 +771,91 @@ def test_a_process_whose_peer_stopped_says_so_in_one_sentence(tmp_path, capsys):
                                            "(its own message says why)\n")
     finally:
         dist.destroy_process_group()
+
+
+# --- inputs that change under --resume, leftovers of a kill, symbolic links, file modes ------------
+def test_resume_refuses_a_model_folder_that_changed_since_the_run_started(sft_checkpoint, tmp_path):
+    """pi_ref is read again from --model at --resume: a folder rebuilt in between (here: replaced by a
+    model of another shape) would mix two starts, so the run refuses it in one sentence naming it,
+    before loading anything; put back, the same folder resumes."""
+    model = tmp_path / "model"
+    shutil.copytree(sft_checkpoint, model, ignore=shutil.ignore_patterns("checkpoint*"))
+    out = str(tmp_path / "out")
+    args = ["--model", str(model), "--max_steps", "3", "--save_steps", "1", "--per_device_train_batch_size", "8",
+            "--eval_steps", "100", "--num_eval_examples", "8", "--output_dir", out]
+    run_main("sft.py", *args)
+    recorded = json.loads(open(os.path.join(out, "run.json")).read())["inputs"]
+    assert recorded["--model"] == harness.fingerprint(str(model)) and "--dataset" in recorded
+    shutil.copytree(model, tmp_path / "backup")
+    common.build_tiny_model(common.build_tokenizer(), hidden_size=64).save_pretrained(model)  # another shape
+    with pytest.raises(SystemExit) as stop:
+        sft.main(common.parse_config(sft.Config, [*args, "--resume", "true"]))
+    assert str(stop.value.code) == (
+        f"error: --resume: --model {model} has changed since this run started (its files differ), and continuing "
+        "would mix two starts: put back the --model the run started from, or start a new run "
+        "(--overwrite_output_dir true)")
+    shutil.rmtree(model)
+    shutil.copytree(tmp_path / "backup", model)
+    result = run_main("sft.py", *args, "--resume", "true", "--logging_steps", "2")
+    assert "resumed from" in result.stdout and "resume: --logging_steps 2 (was 10) applies from here" in result.stdout
+    assert "--resume True" not in result.stdout  # the flag that resumes is not a changed setting
+
+
+def test_a_kills_leftovers_go_with_the_next_run_into_the_folder(tmp_path):
+    """checkpoint.tmp and .checkpoint_tmp (a kill during a save) are removed by whatever run comes next
+    into the folder, --overwrite_output_dir included: for a real model each is a model's size."""
+    out = tmp_path / "out"
+    write(out / "run.json", json.dumps({"files": ["model.safetensors", "run.json"]}))
+    write(out / "model.safetensors", "an old model")
+    leftovers = ["checkpoint.tmp/state.pt", ".checkpoint_tmp/model.safetensors", "critic/.checkpoint_tmp/x",
+                 ".next_run/checkpoint.tmp/state.pt"]
+    for path in leftovers:
+        write(out / path, "half written")
+    cfg = common.parse_config(sft.Config, ["--output_dir", str(out), "--overwrite_output_dir", "true"])
+    assert harness.prepare_output_dir(cfg, {}) == str(out / harness.NEXT_RUN)
+    for path in leftovers:  # the leftover folder itself is gone
+        assert not os.path.exists(out / os.path.dirname(path)), path
+    assert (out / "model.safetensors").read_text() == "an old model" and (out / "critic").is_dir()
+
+
+def test_a_checkpoint_folder_that_is_a_symbolic_link_is_replaced_not_followed(tmp_path):
+    """A checkpoint/ that is a symbolic link (to another disk, say): promotion renames and removes the
+    link itself, never what it points to, and the next promotion works too (no half-moved folder)."""
+    elsewhere = tmp_path / "elsewhere"
+    write(elsewhere / "state.pt", "step 2")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.symlink(elsewhere, run_dir / "checkpoint")
+    for step in (4, 6):
+        write(run_dir / "checkpoint.new" / "state.pt", f"step {step}")
+        harness.promote_checkpoint(str(run_dir))
+        assert sorted(os.listdir(run_dir)) == ["checkpoint"] and not os.path.islink(run_dir / "checkpoint")
+        assert (run_dir / "checkpoint" / "state.pt").read_text() == f"step {step}"
+    assert (elsewhere / "state.pt").read_text() == "step 2"
+
+
+def test_a_failed_write_promises_a_checkpoint_only_when_there_is_one(tmp_path):
+    for has_checkpoint in (False, True):
+        run_dir = tmp_path / str(has_checkpoint)
+        write(run_dir / "metrics.jsonl", "")
+        if has_checkpoint:
+            write(run_dir / "checkpoint" / "state.pt", "a good state")
+        with pytest.raises(SystemExit) as stop, harness.writing("the trained model", str(run_dir / "critic")):
+            raise OSError(28, "No space left on device")
+        text = str(stop.value.code)
+        assert text.startswith(f"error: could not write the trained model to {run_dir / 'critic'} (No space left")
+        assert (f"the last good checkpoint ({run_dir / 'checkpoint'}) is kept" in text) == has_checkpoint
+        assert ("no checkpoint of this run was written yet" in text) != has_checkpoint
+
+
+def test_the_saved_model_is_readable_as_every_other_file(tmp_path):
+    """safetensors writes model.safetensors private (0600): the save gives it the umask's mode, as
+    the run's other files have (a shared out/ is readable by the group)."""
+    mask = os.umask(0o022)
+    try:
+        model, tokenizer = common.build_tiny_model(common.build_tokenizer()), common.build_tokenizer()
+        harness.save_checkpoint(model, tokenizer, str(tmp_path))
+    finally:
+        os.umask(mask)
+    assert {name: os.stat(tmp_path / name).st_mode & 0o777 for name in ("model.safetensors", "config.json")} == {
+        "model.safetensors": 0o644, "config.json": 0o644}
