@@ -189,7 +189,7 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
 
     A .gguf file (llama.cpp's format) loads too: see load_gguf."""
     if name_or_path.endswith(".gguf") or os.path.isfile(name_or_path):
-        return load_gguf(name_or_path, scalar_head)
+        return check_vocabulary(*load_gguf(name_or_path, scalar_head), name_or_path)
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
     if is_local and os.path.isdir(name_or_path):
         check_whole_run(name_or_path)
@@ -200,6 +200,10 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     if reward_model and saved_head == "language model":
         fail(f"{name_or_path} is a policy (it has a language-model head), not a reward model: "
              "pass reward_model.py's output")
+    folder = os.path.abspath(name_or_path)
+    if reward_model and os.path.basename(folder) == "critic" and _written_by(os.path.dirname(folder)) == "ppo.py":
+        fail(f"{name_or_path} is ppo.py's critic (a value model: the return expected after each token), not a "
+             "reward model (a score of the whole answer): pass reward_model.py's output")
     if not scalar_head and saved_head == "scalar":
         fail(f"{name_or_path} is a reward model (a scalar head, no language-model head), not a policy")
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
@@ -224,7 +228,33 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     if not tokenizer.chat_template:
         fail(f"the tokenizer of {name_or_path} has no chat template, and every prompt is a chat: use a chat (instruct) "
              "model, or add a chat_template to its tokenizer_config.json")
+    return check_vocabulary(model, tokenizer, name_or_path)
+
+
+def check_vocabulary(model, tokenizer, name: str):
+    """A tokenizer with more tokens than the model has embedding rows would give ids the model cannot
+    read (an IndexError mid-run): refused. More rows than tokens is usual (padded to a round size)."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        fail(f"the tokenizer of {name} has {len(tokenizer)} tokens and its model's embedding {rows} rows: ids "
+             f"from {rows} on have no embedding; use the tokenizer the model was trained with")
     return model, tokenizer
+
+
+def _written_by(folder: str) -> str | None:
+    """The script whose run wrote folder (its run.json), or None."""
+    try:
+        with open(os.path.join(folder, "run.json")) as f:
+            return json.load(f).get("script")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def same_tokenizer(a, b) -> bool:
+    """Do two tokenizers turn the same chat into the same ids? The same vocabulary (token -> id), special
+    tokens and chat template: then one model's ids can be fed to the other."""
+    return (a.get_vocab() == b.get_vocab() and a.all_special_tokens == b.all_special_tokens
+            and a.chat_template == b.chat_template)
 
 
 def _saved_head(folder: str) -> str | None:

@@ -30,6 +30,11 @@ def setup() -> tuple[int, int]:
         return 0, 1
     if not dist.is_initialized():
         if torch.cuda.is_available():
+            gpus, processes = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            if int(os.environ.get("LOCAL_RANK", 0)) >= gpus:  # (CUDA would stop it with "invalid device ordinal")
+                raise SystemExit(f"error: torchrun started {processes} processes on this machine, which has {gpus} "
+                                 f"GPU{'s' if gpus > 1 else ''}: each process needs a GPU of its own "
+                                 f"(torchrun --nproc_per_node {gpus})")
             torch.cuda.set_device(get_device())
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         atexit.register(leave_group)

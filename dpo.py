@@ -188,11 +188,13 @@ def rank_pairs(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([chosen, chosen ^ 1]), (first != second).float()  # rows 2i and 2i + 1 differ in the last bit
 
 
-def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg):
+def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_tokenizer=None):
     """Online DPO's step 1 for the B prompts of step_data: two samples of each from the current
     policy, scored by the judge (the checker, or judge_model) and put in pair order, the B chosen
-    rows then the B rejected (rank_pairs). Returns input_ids, attention_mask [2B, P+T], T, the pairs'
-    weights [B] (0 for a tie), the online metrics, and the completions to log."""
+    rows then the B rejected (rank_pairs). A judge whose tokenizer is not the policy's (judge_tokenizer)
+    reads the samples as text in its own ids (reward_model.tokenize_samples). Returns input_ids,
+    attention_mask [2B, P+T], T, the pairs' weights [B] (0 for a tie), the online metrics, and the
+    completions to log."""
     texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
              for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
     prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
@@ -202,8 +204,13 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg):
     samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     answers = [a for a in step_data["answer"] for _ in range(2)]
     correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
+    judge_ids, judge_mask = input_ids, attention_mask  # [2B, P+T]: what the judge reads, in the policy's ids
+    if judge_tokenizer is not None:  # ... or in its own: the same text, tokenized by the judge's tokenizer
+        ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)  # [2B]
+        judge_ids, judge_mask = (x.to(input_ids.device) for x in reward_model.tokenize_samples(
+            judge_tokenizer, [q for q in step_data["question"] for _ in range(2)], samples, ended, cfg.system_prompt))
     scores = (correct if judge_model is None else  # [2B]
-              reward_model_judge(judge_model, input_ids, attention_mask, cfg.per_device_train_batch_size))
+              reward_model_judge(judge_model, judge_ids, judge_mask, cfg.per_device_train_batch_size))
     common.check_finite_scores(scores, f"--judge {cfg.judge}")
     order, weights = rank_pairs(scores)  # [2B]: chosen rows then rejected rows; [B]: 0 for a tie
     order = order.to(input_ids.device)
@@ -282,12 +289,14 @@ def main(cfg: Config):
                                        cfg.prompts)
     if not cfg.online:  # (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs dropped
         pairs, longest_pair = tokenize_offline_pairs(cfg, pairs, model, tokenizer, B)
-    judge_model = None
+    judge_model = judge_tokenizer = None
     if judge_path:
-        judge_model = common.load_model(judge_path, scalar_head=True, reward_model=True,
-                                        missing_hint="--judge takes 'rule' or a folder written by reward_model.py",
-                                        trust_remote_code=cfg.trust_remote_code)[0]
+        judge_model, judge_tokenizer = common.load_model(
+            judge_path, scalar_head=True, reward_model=True, trust_remote_code=cfg.trust_remote_code,
+            missing_hint="--judge takes 'rule' or a folder written by reward_model.py")
         judge_model.to(run.device).eval().requires_grad_(False)
+        if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
+            judge_tokenizer = None
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     needs_reference = cfg.loss_type != "simpo"
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference and cfg.lora_r is None else None
@@ -309,7 +318,10 @@ def main(cfg: Config):
         if cfg.online:  # two samples of each of B prompts from the current policy, ranked by the judge
             step_data = prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]}
             input_ids, attention_mask, T, weights, online_metrics, completions = sample_and_rank(
-                model, tokenizer, judge_model, step_data, cfg)
+                model, tokenizer, judge_model, step_data, cfg, judge_tokenizer)
+            if common.global_sum(weights.sum().item()) == 0:  # (of every process) each pair a tie: a loss of 0
+                run.nothing_to_learn("every pair was a tie, the judge scoring both samples of each prompt the same "
+                                     "(a higher --temperature, or a judge with finer scores, gives pairs)")
         else:  # B pairs of the dataset
             batch = run.rng.sample(pairs, B)
             input_ids, attention_mask = (x.to(run.device) for x in reward_model.collate(batch, tokenizer.pad_token_id))

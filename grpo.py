@@ -427,6 +427,9 @@ def main(cfg: Config):
             batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
                                              G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
             if not batch["prompts"]:  # no group with spread in any round: nothing to learn from this step
+                run.nothing_to_learn("dynamic sampling found no group whose rewards differ in --max_sampling_rounds "
+                                     "rounds (more rounds, a higher --temperature, or problems the policy solves "
+                                     "sometimes give some)")
                 run.log({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
                 continue
         prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]

@@ -172,6 +172,7 @@ class Run:
         self.started = time.perf_counter()  # the run's clock (time/elapsed), carried across --resume
         self.initial = self.scores = None  # the held-out scores at step 0 and at the latest evaluation
         self.step, self.metrics, self.sample, self.progress_postfix = 0, {}, None, {}
+        self.learned_steps, self.no_signal = 0, None  # steps that had something to learn from; why one had not
 
     def prepare(self, model, scalar_head: bool = False):
         """The model as training needs it: activations recomputed in the backward pass
@@ -218,6 +219,7 @@ class Run:
             first_step, results = load_training_state(self.dir, **self.training_state)
             self.started -= results.get("elapsed", 0.0)
             self.initial, self.scores = results.get("initial"), results["scores"]
+            self.learned_steps = results.get("learned_steps", first_step)
             self.state.update(results.get("state", {}))
         else:
             start_output_dir(self.dir)
@@ -230,6 +232,7 @@ class Run:
                         desc=script, dynamic_ncols=True, disable=not show_progress())
         for step in progress:
             self.step, self.metrics, self.sample, self.weights_gave_finite_values = step, {}, None, False
+            self.step_had_signal = True
             self.step_started = time.perf_counter()
             rollout.seconds.clear()
             yield step
@@ -246,6 +249,11 @@ class Run:
         self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (_end_step)
         return grad_norm
 
+    def nothing_to_learn(self, why: str):
+        """This step had nothing to learn from (why: a sentence, and what would give it something). A run
+        none of whose steps had anything stops at its end with that sentence, and saves nothing."""
+        self.step_had_signal, self.no_signal = False, why
+
     def log(self, metrics: dict, completions: dict | None = None) -> dict:
         """This step's metrics, written to metrics.jsonl when the step ends (every --logging_steps),
         with time/step and its parts: time/generation (rollout.generate), time/forward (the forward
@@ -259,6 +267,8 @@ class Run:
         metrics = {**metrics, **parts, "time/backward": elapsed - sum(parts.values()), "time/step": elapsed}
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics = distributed.reduce_metrics(metrics)
+        check_finite(self.step, self.dir, after_update=True,
+                     **{f"metric {key}": value for key, value in metrics.items() if isinstance(value, (int, float))})
         self.metrics = metrics
         shown = [key for key in ("loss", "reward", "score", "accuracy", "kl", "kl_sum") if key in metrics]
         self.progress_postfix = {key: f"{metrics[key]:.3f}" for key in shown}
@@ -273,7 +283,11 @@ class Run:
         """The end of the run: each model saved (models: {subfolder: model}, "" the output folder
         itself; with LoRA the adapter, and with --merge_lora also the merged model), eval.json (the
         latest held-out scores), <title>.png (plots: {panel title: [metric names]}), run.json; a run
-        that replaces an old one moves into --output_dir now, whole."""
+        that replaces an old one moves into --output_dir now, whole. A run none of whose steps had
+        anything to learn from (nothing_to_learn) stops instead, with why, and saves nothing."""
+        if self.learned_steps == 0 and self.no_signal:
+            fail(f"nothing was trained in {self.cfg.max_steps} steps: at each one, {self.no_signal}; the model "
+                 f"was not saved (the steps' metrics are in {os.path.join(self.dir, 'metrics.jsonl')})")
         for folder, model in models.items():
             path = os.path.join(self.dir, folder) if folder else self.dir
             if folder and is_main_process():
@@ -291,6 +305,7 @@ class Run:
     def _end_step(self, progress):
         """After the loop's body: evaluate if due, write the step's metrics line, save if due."""
         cfg, step = self.cfg, self.step
+        self.learned_steps += self.step_had_signal
         last = step == cfg.max_steps
         line = self.metrics if step % cfg.logging_steps == 0 or last else {}
         if step % cfg.eval_steps == 0 or last:
@@ -307,7 +322,7 @@ class Run:
             promote_checkpoint(self.dir)
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
             results = {"initial": self.initial, "scores": self.scores, "state": self.state,
-                       "elapsed": time.perf_counter() - self.started}
+                       "elapsed": time.perf_counter() - self.started, "learned_steps": self.learned_steps}
             save_training_state(self.dir, self.record, step, results, **self.training_state)
 
     def _eval_metrics(self, step: int, scores: dict) -> dict:
@@ -402,11 +417,12 @@ def _umask() -> int:
     return mask
 
 
-def check_finite(step: int, run_dir: str, **values):
+def check_finite(step: int, run_dir: str, after_update: bool = False, **values):
     """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
-    applied. A checkpoint counts as good only once the weights it holds gave finite values: the
-    one written after the last save (checkpoint.new) is dropped here when they did not, so --resume
-    never restarts from weights that already diverged (promote_checkpoint keeps it when they did).
+    applied (after_update: at a metric logged after it, such as a KL). A checkpoint counts as good
+    only once the weights it holds gave finite values: the one written after the last save
+    (checkpoint.new) is dropped here when they did not, so --resume never restarts from weights
+    that already diverged (promote_checkpoint keeps it when they did).
     Pass the gradient norm first: under torchrun it is the same on every process, so all stop together."""
     for name, value in values.items():
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
@@ -414,7 +430,8 @@ def check_finite(step: int, run_dir: str, **values):
             if is_main_process():
                 remove(os.path.join(run_dir, "checkpoint.new"))
             kept = newest_checkpoint(run_dir)
-            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped before applying this update"
+            fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped "
+                 + ("at this step's metrics" if after_update else "before applying this update")
                  + (f" ({kept} holds the last weights that gave finite values)" if kept else "")
                  + "; a lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
 

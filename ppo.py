@@ -383,14 +383,19 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
-def load_reward_model_and_critic(cfg, device):
+def load_reward_model_and_critic(cfg, tokenizer, device):
     """The frozen reward model, and the critic it initialises (note 000); with --reward_model rule no
-    reward model (the checker scores) and a critic with a fresh value head on the --model policy."""
+    reward model (the checker scores) and a critic with a fresh value head on the --model policy.
+    The critic values each of the policy's tokens, so a reward model must share the policy's tokenizer."""
     if cfg.reward_model == "rule":
         return None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
     hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-    reward_model = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True, reward_model=True,
-                                     trust_remote_code=cfg.trust_remote_code)[0]
+    reward_model, reward_tokenizer = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True,
+                                                       reward_model=True, trust_remote_code=cfg.trust_remote_code)
+    if not common.same_tokenizer(reward_tokenizer, tokenizer):
+        common.fail(f"--reward_model {cfg.reward_model} has a tokenizer of its own, not --model's: ppo.py's critic "
+                    "starts as the reward model and values each of the policy's tokens, so the two must share one "
+                    f"(train the reward model from this policy: python reward_model.py --model {cfg.model})")
     reward_model.to(device).eval().requires_grad_(False)
     return reward_model, copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
 
@@ -412,7 +417,7 @@ def main(cfg: Config):
     actor = run.prepare(actor)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     # pi_ref: a frozen copy of the starting actor, or with LoRA none (the actor with its adapter off).
     reference = copy.deepcopy(actor).eval().requires_grad_(False) if cfg.lora_r is None else None
-    reward_model, critic = load_reward_model_and_critic(cfg, run.device)
+    reward_model, critic = load_reward_model_and_critic(cfg, tokenizer, run.device)
     critic = run.prepare(critic, scalar_head=True)  # LoRA critic: adapters and its value head are trained
     run.shard(actor, reference, critic, reward_model)  # --fsdp: each process keeps 1/N of each model
     run.log_memory([actor, critic], [reference, reward_model])

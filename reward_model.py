@@ -125,6 +125,22 @@ def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int, name: s
     return pairs
 
 
+def tokenize_samples(tokenizer, questions: list[str], completions: list[str], ended: torch.Tensor,
+                     system_prompt: str):
+    """A reward model with a tokenizer of its own reads the policy's samples as text, as TRL's GRPOTrainer
+    feeds its reward_processing_class (grpo_trainer.py, `_calculate_rewards`): each question in the reward
+    model's chat template, each completion's text, and its EOS where the policy's sample ended (ended [N]:
+    the reward model learned its score at the EOS of its pairs). Returns input_ids, attention_mask [N, P+T]
+    in the reward model's ids, laid out as [left-padded prompt | right-padded response]."""
+    prompts = [tokenizer(common.make_prompt(tokenizer, q, system_prompt), add_special_tokens=False)["input_ids"]
+               for q in questions]
+    responses = [tokenizer(c + (tokenizer.eos_token if stop else ""), add_special_tokens=False)["input_ids"]
+                 for c, stop in zip(completions, ended.tolist())]
+    prompt_ids, prompt_mask = rollout.pad_left(prompts, tokenizer.pad_token_id)
+    response_ids, response_mask = rollout.pad_right(responses, tokenizer.pad_token_id)
+    return torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
+
+
 def collate(pairs, pad_id: int):
     """2M sequences (M pairs), the M chosen then the M rejected, as [left-padded prompt | right-padded response].
 

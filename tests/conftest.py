@@ -177,3 +177,42 @@ def saved_tiny(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path, tokenizer, model
+
+
+def rotated_tokenizer(shift: int = 7) -> transformers.PreTrainedTokenizerFast:
+    """common.build_tokenizer with byte b at id (b + shift) % 256: the same text, the same special tokens
+    and chat template, other ids (a reward model with a tokenizer of its own)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: (byte + shift) % 256 for byte, char in common._bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|im_end|>", pad_token="<|pad|>",
+        extra_special_tokens=["<|im_start|>"], padding_side="left")
+    tokenizer.add_tokens(common.THINK_ANSWER_TOKENS)
+    tokenizer.chat_template = common.CHAT_TEMPLATE
+    return tokenizer
+
+
+def rotated_reward_model(reward_model, shift: int = 7):
+    """A copy of reward_model that reads rotated_tokenizer(shift)'s ids: embedding row (b + shift) % 256
+    holds what row b held, so the same text gives the same score."""
+    import copy
+
+    rotated = copy.deepcopy(reward_model)
+    old = reward_model.get_input_embeddings().weight
+    rows = torch.arange(old.shape[0])
+    rows[:256] = (rows[:256] + shift) % 256
+    with torch.no_grad():
+        rotated.get_input_embeddings().weight[rows] = old
+    return rotated
+
+
+def tiny_reward_model(tokenizer, seed: int = 0):
+    """A random tiny Llama with a scalar head (reward_model.py's architecture, untrained)."""
+    torch.manual_seed(seed)
+    config = common.build_tiny_model(tokenizer).config
+    config.num_labels = 1
+    return transformers.LlamaForSequenceClassification(config)

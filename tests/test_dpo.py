@@ -8,9 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import common
 import dpo
 import harness
-from conftest import ROOT, assert_same_run, read_metrics, run_main, z_gain
+import reward_model
+from conftest import (ROOT, assert_same_run, read_metrics, rotated_reward_model, rotated_tokenizer, run_main,
+                      tiny_reward_model, z_gain)
 from floats import approx, assert_close
 
 
@@ -108,6 +111,40 @@ def test_rank_pairs_orders_chosen_then_rejected_and_weighs_ties_zero():
 def test_rule_judge_is_the_checker():
     samples = ["<think>1+1=2</think><answer>2</answer>", "<answer>3</answer>", "no answer"]
     assert dpo.rule_judge(samples, ["1+1=2\n#### 2"] * 3).tolist() == [1.0, 0.0, 0.0]
+
+
+def test_a_judge_with_its_own_tokenizer_reads_the_samples_as_text():
+    """A judge whose tokenizer gives other ids for the same text (here: our byte tokenizer rotated by 7,
+    its embedding rows rotated with it) scores the policy's samples as the same judge with the policy's
+    tokenizer does, to the bit, once they are decoded and tokenized with its own; fed the policy's ids
+    as they are, it would read other tokens and score them otherwise."""
+    tokenizer, rotated_tok = common.build_tokenizer(), rotated_tokenizer()
+    assert common.same_tokenizer(tokenizer, common.build_tokenizer())
+    assert not common.same_tokenizer(tokenizer, rotated_tok)
+    judge = tiny_reward_model(tokenizer).eval()
+    rotated_judge = rotated_reward_model(judge).eval()
+    questions = ["What is 2 + 3?", "What is 7 - 9?"]
+    completions = ["<think>2+3=5</think><answer>5</answer>", "<answer>-1</answer> and more"]
+    ended = torch.tensor([True, False])  # the second was cut off: no EOS
+    ids, mask = reward_model.tokenize_samples(tokenizer, questions, completions, ended, "")
+    rotated_ids, rotated_mask = reward_model.tokenize_samples(rotated_tok, questions, completions, ended, "")
+    assert torch.equal(mask, rotated_mask) and not torch.equal(ids, rotated_ids)
+    assert ids[0, mask[0].bool()][-1] == tokenizer.eos_token_id and ids[1, -1] != tokenizer.eos_token_id
+    with torch.no_grad():
+        scores = reward_model.sequence_scores(judge, ids, mask)
+        assert torch.equal(reward_model.sequence_scores(rotated_judge, rotated_ids, rotated_mask), scores)
+        assert not torch.allclose(reward_model.sequence_scores(rotated_judge, ids, mask), scores)
+
+    # Online DPO's step 1 with either judge: the same samples, scores, pairs and weights.
+    policy = common.build_tiny_model(tokenizer).eval()
+    cfg = common.parse_config(dpo.Config, ["--online", "true", "--max_completion_length", "12"])
+    step_data = {"question": questions * 2, "answer": ["#### 5", "#### -2"] * 2}
+    outputs = []
+    for judge_model, judge_tokenizer in ((judge, tokenizer), (rotated_judge, rotated_tok)):
+        torch.manual_seed(0)
+        outputs.append(dpo.sample_and_rank(policy, tokenizer, judge_model, step_data, cfg, judge_tokenizer))
+    (ids_a, mask_a, _, weights_a, _, logged_a), (ids_b, mask_b, _, weights_b, _, logged_b) = outputs
+    assert torch.equal(ids_a, ids_b) and torch.equal(weights_a, weights_b) and logged_a == logged_b
 
 
 # --- end to end --------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import checks
@@ -23,7 +24,7 @@ import mix
 import ppo
 import reward_model
 import sft
-from conftest import ROOT, assert_same_run, run, run_main
+from conftest import ROOT, assert_same_run, rotated_tokenizer, run, run_main, tiny_reward_model
 
 SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix,
            "dpo.py": dpo}
@@ -186,6 +187,11 @@ CASES = [
      "--resume: --dataset data/arithmetic has changed since this run started (its files differ), and continuing "
      "would mix two starts"),
     (ALL, ["--output_dir", "{dangling}"], "is a symbolic link to /nonexistent/disk/run, which does not exist"),
+    # models that are not what their flag needs
+    (["ppo.py"], ["--reward_model", "{critic}"], "critic is ppo.py's critic (a value model"),
+    (["dpo.py"], ["--online", "true", "--judge", "{critic}"], "critic is ppo.py's critic (a value model"),
+    (["ppo.py"], ["--reward_model", "{rotated_rm}"], "has a tokenizer of its own, not --model's: ppo.py's critic"),
+    (ALL, ["--model", "{big_tokenizer}"], "has 300 tokens and its model's embedding 264 rows"),
 ]
 TABLE = [(script, args, message) for scripts, args, message in CASES for script in scripts]
 
@@ -269,6 +275,20 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     (tmp / "changed_input" / "checkpoint" / "run.json").write_text(json.dumps(record))
     folders["changed_input"] = str(tmp / "changed_input")
     os.symlink("/nonexistent/disk/run", tmp / "dangling")
+    # ppo.py's critic (a scalar head, in the critic/ folder of a ppo.py run), and a reward model whose
+    # tokenizer gives other ids than the policy's
+    write(tmp / "ppo_run" / "run.json", json.dumps({"script": "ppo.py"}))
+    shutil.copytree(folders["a_reward_model"], tmp / "ppo_run" / "critic")
+    folders["critic"] = str(tmp / "ppo_run" / "critic")
+    rotated_tok = rotated_tokenizer()
+    tiny_reward_model(rotated_tok).save_pretrained(tmp / "rotated_rm")
+    rotated_tok.save_pretrained(tmp / "rotated_rm")
+    folders["rotated_rm"] = str(tmp / "rotated_rm")
+    shutil.copytree(sft_checkpoint, tmp / "big_tokenizer", ignore=shutil.ignore_patterns("checkpoint*"))
+    big = transformers.AutoTokenizer.from_pretrained(tmp / "big_tokenizer")
+    big.add_tokens([f"<extra_{i}>" for i in range(300 - len(big))])
+    big.save_pretrained(tmp / "big_tokenizer")
+    folders["big_tokenizer"] = str(tmp / "big_tokenizer")
     folders["dangling"] = str(tmp / "dangling")
     # a run folder into which a finished run was being moved when it stopped (.next_run/.complete written)
     shutil.copytree(sft_checkpoint, tmp / "half_moved", ignore=shutil.ignore_patterns("checkpoint*"))
@@ -859,3 +879,59 @@ def test_the_saved_model_is_readable_as_every_other_file(tmp_path):
         os.umask(mask)
     assert {name: os.stat(tmp_path / name).st_mode & 0o777 for name in ("model.safetensors", "config.json")} == {
         "model.safetensors": 0o644, "config.json": 0o644}
+
+
+# --- runs that cannot learn, and metrics that are not numbers -----------------------------------------
+NOTHING_TO_LEARN = {  # a random model never writes the answer format: every reward, and every judge's score, equal
+    "dpo.py": (["--online", "true", "--judge", "rule"], "at each one, every pair was a tie, the judge scoring both "
+               "samples of each prompt the same (a higher --temperature, or a judge with finer scores, gives pairs)"),
+    "grpo.py": (["--dynamic_sampling", "true", "--max_sampling_rounds", "2"],
+                "at each one, dynamic sampling found no group whose rewards differ in --max_sampling_rounds rounds"),
+}
+
+
+@pytest.mark.parametrize("script", list(NOTHING_TO_LEARN))
+def test_a_run_with_nothing_to_learn_says_so_and_saves_nothing(saved_tiny, tmp_path, script):
+    args, why = NOTHING_TO_LEARN[script]
+    out = tmp_path / "out"
+    module = SCRIPTS[script]
+    with pytest.raises(SystemExit) as stop:
+        module.main(common.parse_config(module.Config, [
+            "--model", str(saved_tiny[0]), "--max_steps", "2", "--per_device_train_batch_size", "8",
+            "--max_completion_length", "8", "--eval_steps", "100", "--num_eval_examples", "8", "--output_dir", str(out),
+            *args]))
+    text = str(stop.value.code)
+    assert text.startswith("error: nothing was trained in 2 steps: ") and why in text, text
+    assert text.endswith(f"the model was not saved (the steps' metrics are in {out / 'metrics.jsonl'})")
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert not (out / "model.safetensors").exists() and steps[-2:] == [1, 2]
+
+
+def test_a_metric_that_is_not_a_number_stops_the_run(saved_tiny, tmp_path, monkeypatch):
+    """A NaN or infinite metric (here GRPO's KL, injected) stops the run at its step in one sentence, as a
+    NaN loss does, instead of being written to metrics.jsonl while the run goes on."""
+    step_metrics = grpo.step_metrics
+    monkeypatch.setattr(grpo, "step_metrics", lambda *a, **k: {**step_metrics(*a, **k), "kl": float("nan")})
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(common.parse_config(grpo.Config, [
+            "--model", str(saved_tiny[0]), "--max_steps", "2", "--per_device_train_batch_size", "8",
+            "--max_completion_length", "8", "--eval_steps", "100", "--num_eval_examples", "8",
+            "--output_dir", str(tmp_path / "out")]))
+    assert str(stop.value.code) == ("error: step 1: the metric kl is nan; stopped at this step's metrics; a lower "
+                                    "--learning_rate usually helps (in a new run: --overwrite_output_dir true)")
+
+
+def test_more_processes_than_gpus_is_one_sentence(monkeypatch):
+    """torchrun --nproc_per_node 2 on a machine with one GPU: rank 1 would die in CUDA's "invalid device
+    ordinal" traceback; it says what is wrong instead, before it touches the GPU."""
+    import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("a GPU was touched"))
+    for name, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as stop:
+        distributed.setup()
+    assert str(stop.value.code) == ("error: torchrun started 2 processes on this machine, which has 1 GPU: each "
+                                    "process needs a GPU of its own (torchrun --nproc_per_node 1)")
