@@ -184,7 +184,7 @@ CASES = [
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{stopped_early}"],
      "stopped before its first checkpoint"),
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{changed_input}"],
-     "--resume: --dataset data/arithmetic has changed since this run started (its files differ), and continuing "
+     "--resume: --dataset data/demos has changed since this run started (its files differ), and continuing "
      "would mix two starts"),
     (ALL, ["--output_dir", "{dangling}"], "is a symbolic link to /nonexistent/disk/run, which does not exist"),
     # models that are not what their flag needs
