@@ -327,7 +327,7 @@ def figures(results: dict, seeds: list[int], folder: str):
     fig.savefig(os.path.join(ROOT, folder, "syllabus.png"), dpi=100)
 
     pairs = [(c, row) for c, (row, _) in CONTROLS.items() if c in results and row in results]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(max(11, 1.5 * len(pairs)), 5.5))
     for i, (control, row) in enumerate(pairs):
         shared = [run["seed"] for run in results[control]]  # the row on the control's seeds only, as in the table
         for j, method in enumerate((row, control)):
@@ -337,8 +337,8 @@ def figures(results: dict, seeds: list[int], folder: str):
     ax.set_xticks([2.6 * i + j for i in range(len(pairs)) for j in (0, 1)],
                   [m for pair in pairs for m in (pair[1], pair[0])], rotation=30, ha="right", fontsize=8)
     ax.axhline(0, color="grey", lw=0.8)
-    ax.set(ylabel="gain: held-out sampled accuracy at the end - at step 0, points",
-           title=f"Each control (right of a pair) beside the row it changes one thing of (left), {STEPS} steps: "
+    ax.set(ylabel="gain (points): held-out sampled accuracy\nat the end minus at step 0",
+           title=f"Each control (right of a pair) beside the row it changes one thing of (left), {STEPS} steps\n"
                  f"dots are seeds ({', '.join(map(str, seeds))}), bars their mean")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

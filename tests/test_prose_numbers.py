@@ -307,16 +307,31 @@ def test_the_pages_quote_the_committed_syllabus_runs():
     # the perfect teacher, and the starts (each SFT model's own final evaluation)
     saved = json.loads(read("docs", "syllabus.json"))
     starts, experiments = saved["starts"], " ".join(read("docs", "experiments.md").split())
-    perfect = [f"{100 * starts[s]['sft_perfect']['accuracy_sampled']:.1f}%" for s in "01"]
-    own = [f"{100 * starts[s]['sft']['accuracy_sampled']:g}%" for s in "01"]
+    perfect = [f"{100 * starts[s]['sft_perfect']['accuracy_sampled']:.1f}%" for s in "012"]
+    own = [f"{100 * starts[s]['sft']['accuracy_sampled']:g}%" for s in "012"]
     gains = syllabus.gains(results["grpo_perfect_teacher"])
-    row = f"{statistics.fmean(syllabus.gains([r for r in results['grpo'] if r['seed'] in (0, 1)])):.1f}"
-    assert (f"samples {perfect[0]} and {perfect[1]} right on seeds 0 and 1 (careless teacher: {own[0]} and {own[1]}), "
-            f"and 40 GRPO steps at the default learning rate then gain {statistics.fmean(gains):.1f} points "
-            f"({gains[0]:+.1f} and {gains[1]:+.1f})".replace("(+", "(")
-            + f" against {row} from the careless start") in page
-    assert (f"which samples {perfect[0]} and {perfect[1]} right on seeds 0 and 1, 40 GRPO steps at the default "
-            f"learning rate gained {statistics.fmean(gains):.1f} points, against {row} from the") in experiments
+    assert [run["seed"] for run in results["grpo_perfect_teacher"]] == [0, 1, 2]
+    assert (f"samples {perfect[0]}, {perfect[1]} and {perfect[2]} right on seeds 0, 1 and 2 (careless teacher: "
+            f"{own[0]}, {own[1]} and {own[2]}), and 40 GRPO steps at the default learning rate then gain "
+            f"{statistics.fmean(gains):.1f} points ({gains[0]:+.1f}, {gains[1]:+.1f} and {gains[2]:+.1f})".replace("(+", "(")
+            + f" against {gain('grpo')} from the careless start") in page
+    assert (f"which samples {perfect[0]}, {perfect[1]} and {perfect[2]} right on seeds 0, 1 and 2, 40 GRPO steps at "
+            f"the default learning rate gained {statistics.fmean(gains):.1f} points, against {gain('grpo')} from the"
+            ) in experiments
+    # the clip, where it acts: GRPO at lr 3e-4 with four updates, with and without it
+    clip, no_clip = results["grpo_4_iterations_3e-4"], results["grpo_4_iterations_3e-4_no_clip"]
+    assert all(run["means"]["clip_fraction"] == 0 and run["settings"]["epsilon"] == 1e6 for run in no_clip)
+    assert (f"the clip acted on {span([100 * run['means']['clip_fraction'] for run in clip], '{:.2f}%')} of GRPO's "
+            f"tokens. That rate alone cost {difference['grpo_4_iterations_3e-4'].lstrip('-')} points against lr 5e-5 "
+            f"(a gain of {gain('grpo_4_iterations_3e-4')} against {gain('grpo_4_iterations')}") in page
+    per_seed_difference = rows["grpo_4_iterations_3e-4_no_clip"].split("|")[6].strip().split(", ")
+    assert (f"gained {gain('grpo_4_iterations_3e-4_no_clip')} points, "
+            f"{difference['grpo_4_iterations_3e-4_no_clip'].lstrip('-')} fewer (per seed {per_seed_difference[0]}, "
+            f"{per_seed_difference[1]} and {per_seed_difference[2]})") in page
+    assert (f"mean KL to pi_ref over the run was {span([run['means']['kl'] for run in no_clip], '{:.3f}')} against "
+            f"{span([run['means']['kl'] for run in clip], '{:.3f}')} with the clip, and at step 20 they sampled "
+            f"{span([run['evals'][1]['sampled'] for run in no_clip], '{:.1f}%')} right against "
+            f"{span([run['evals'][1]['sampled'] for run in clip], '{:.1f}%')}") in page
     sft = [(100 * starts[s]["sft"]["accuracy_greedy"], 100 * starts[s]["sft"]["accuracy_sampled"]) for s in "012"]
     assert (f"ends at {sft[0][0]:.1f}% / {sft[0][1]:.1f}%" in experiments and
             f"end at {sft[1][0]:.1f}% / {sft[1][1]:g}% and {sft[2][0]:.1f}% / {sft[2][1]:.1f}% there" in experiments)
