@@ -313,8 +313,8 @@ def test_the_pages_quote_the_committed_syllabus_runs():
     assert [run["seed"] for run in results["grpo_perfect_teacher"]] == [0, 1, 2]
     assert (f"samples {perfect[0]}, {perfect[1]} and {perfect[2]} right on seeds 0, 1 and 2 (careless teacher: "
             f"{own[0]}, {own[1]} and {own[2]}), and 40 GRPO steps at the default learning rate then gain "
-            f"{statistics.fmean(gains):.1f} points ({gains[0]:+.1f}, {gains[1]:+.1f} and {gains[2]:+.1f})".replace("(+", "(")
-            + f" against {gain('grpo')} from the careless start") in page
+            f"{statistics.fmean(gains):.1f} points ({gains[0]:+.1f}, {gains[1]:+.1f} and "
+            f"{gains[2]:+.1f})".replace("(+", "(") + f" against {gain('grpo')} from the careless start") in page
     assert (f"which samples {perfect[0]}, {perfect[1]} and {perfect[2]} right on seeds 0, 1 and 2, 40 GRPO steps at "
             f"the default learning rate gained {statistics.fmean(gains):.1f} points, against {gain('grpo')} from the"
             ) in experiments
