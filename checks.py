@@ -30,7 +30,8 @@ def check_settings(cfg):
         if check and value is not None and not check["usable"](value):  # None: left unset, as its default
             fail(f"--{field.name} must be {check['must_be']}, not {value!r}" if isinstance(value, str)
                  else f"--{field.name} must be {check['must_be']}, not {value}")
-    cfg.check_together()  # settings that only work together: the script's Config says which
+    if hasattr(cfg, "check_together"):  # settings that only work together: a training script's Config says which
+        cfg.check_together()
 
 
 def declared_check(config_class, name: str) -> dict | None:

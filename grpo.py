@@ -313,11 +313,13 @@ def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_hi
 
 
 @torch.no_grad()
-def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_logprobs, advantages, cfg) -> dict:
+def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_logprobs, advantages, cfg,
+                 entropy) -> dict:
     """What a step logs besides its loss, with TRL 1.16's names where the quantity is the same
-    (completion_length is its completions/mean_length, clip_fraction its clip_ratio/region_mean; its
-    kl is a token mean over the batch, ours a mean per completion). rewards_per_func [B*G, F]; the
-    rest [B*G, T] or [B*G]; ref_logprobs None when beta is 0."""
+    (completion_length is its completions/mean_length, clip_fraction its clip_ratio/region_mean,
+    entropy its entropy: the policy's -sum_v p(v) log p(v) at each position, a token mean; its kl is a
+    token mean over the batch, ours a mean per completion). rewards_per_func [B*G, F]; the rest
+    [B*G, T] or [B*G]; ref_logprobs None when beta is 0."""
     rewards = rewards_per_func.sum(dim=1)  # [B*G]
     group_std = rewards.view(-1, cfg.num_generations).std(dim=1)  # [B]
     kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else None  # [B*G, T]
@@ -331,6 +333,7 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
         "completion_length": completion_mask.sum(dim=1).float().mean().item(),
         "clip_fraction": clip_fraction(logprobs, old_logprobs, advantages, completion_mask, cfg.epsilon,
                                        cfg.epsilon_high, cfg.importance_sampling_level, cfg.loss_type),
+        "entropy": ((entropy * completion_mask).sum() / completion_mask.sum().clamp(min=1)).item(),
     }
 
 
@@ -463,10 +466,10 @@ def main(cfg: Config):
         # 5. num_iterations gradient steps on the clipped objective with the KL penalty.
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            logprobs, loss = torch.zeros_like(completion_mask, dtype=torch.float), 0.0  # [B*G, T] detached; the loss
+            (logprobs, entropy), loss = torch.zeros(2, *completion_mask.shape, device=completion_mask.device), 0.0
             for rows in micro_batches:
-                micro_logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows], T,
-                                                             cfg.temperature)  # [n, T]
+                micro_logprobs, entropy[rows] = rollout.completion_logprobs(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [n, T] each
                 micro_loss = grpo_loss(
                     micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
                     ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], loss_mask[rows],
@@ -483,7 +486,8 @@ def main(cfg: Config):
         # 6. Metrics, and what the policy wrote (completions.jsonl).
         old = old_logprobs if old_logprobs is not None else logprobs
         run.log({"loss": loss.item(),
-                 **step_metrics(rewards_per_func, completion_mask, logprobs, old, ref_logprobs, advantages, cfg),
+                 **step_metrics(rewards_per_func, completion_mask, logprobs, old, ref_logprobs, advantages, cfg,
+                                entropy),
                  "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                  **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(prompts) // G}
                     if cfg.dynamic_sampling else {})},

@@ -1,0 +1,135 @@
+"""pass@k and best-of-N of the SFT and GRPO models of benchmarks/syllabus.py, on three seeds.
+
+For each seed s, best_of_n.py samples 64 answers to each of the first 200 held-out problems from the
+SFT model of seed s and from the GRPO model trained from it (40 steps), and scores them with that
+seed's reward model (reward_model.py, the one PPO and online DPO read). One figure, docs/best_of_n.png:
+pass@k of SFT against GRPO for k = 1..64 (does GRPO sharpen what SFT's samples hold, or add to it?),
+and best-of-N of the SFT model against KL(best-of-N || SFT) = log N - (N - 1) / N, the kept answer's
+gold accuracy (the checker) and its proxy score (the reward model's): the over-optimisation curve.
+
+    python benchmarks/syllabus.py --methods grpo        # the models (a finished run is read, not repeated)
+    python benchmarks/pass_at_k.py                      # the evaluations, docs/best_of_n.json and .png
+    python benchmarks/pass_at_k.py --report             # the figure and table from docs/best_of_n.json
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {"sft": "SFT", "grpo": "GRPO, 40 steps from it"}
+
+
+def evaluate(model: str, seed: int, args) -> dict:
+    """best_of_n.py on one model (a finished evaluation is read, not repeated); its minutes added."""
+    folder = os.path.join(args.out, model, str(seed))
+    if not os.path.isfile(os.path.join(ROOT, folder, "eval.json")):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "best_of_n.py", "--model", f"{args.runs}/{model}/{seed}",
+                        "--judge", f"{args.runs}/rm/{seed}", "--num_samples", str(args.num_samples),
+                        "--num_eval_examples", str(args.num_eval_examples), "--seed", str(seed),
+                        "--output_dir", folder, "--overwrite_output_dir", "true"], cwd=ROOT, check=True)
+        with open(os.path.join(ROOT, folder, "minutes.json"), "w") as f:
+            json.dump({"wall_minutes": (time.perf_counter() - started) / 60,
+                       "threads": os.environ.get("OMP_NUM_THREADS", "default")}, f)
+    with open(os.path.join(ROOT, folder, "eval.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(ROOT, folder, "minutes.json")) as f:
+        return {**result, **json.load(f), "seed": seed}
+
+
+def band(ax, xs, runs: list[list[float]], label: str, color: str, marker: str = "o"):
+    """The mean over seeds (points, joined) and their range (band)."""
+    columns = list(zip(*runs))
+    ax.plot(xs, [statistics.fmean(c) for c in columns], marker=marker, color=color, label=label, markersize=4)
+    ax.fill_between(xs, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2, linewidth=0)
+
+
+def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ks = [int(k) for k in results["sft"][0]["pass@k"]]
+    for model, color in (("sft", "tab:blue"), ("grpo", "tab:orange")):
+        band(left, ks, [[100 * v for v in run["pass@k"].values()] for run in results[model]], MODELS[model], color)
+    left.set(xscale="log", xlabel="k: answers sampled per problem", ylabel="pass@k: at least one right (%)",
+             title="pass@k, SFT against GRPO")
+    left.set_xticks(ks, [str(k) for k in ks])
+    left.legend(fontsize=8)
+    sft = results["sft"]
+    kl = [row["kl"] for row in sft[0]["best_of_n"].values()]
+    band(right, kl, [[100 * v for v in run["pass@k"].values()] for run in sft],
+         "best of N by the checker (= pass@N)", "tab:gray", marker=".")
+    band(right, kl, [[100 * row["gold"] for row in run["best_of_n"].values()] for run in sft],
+         "best of N by the reward model: gold (checker)", "tab:green")
+    proxy = right.twinx()
+    band(proxy, kl, [[row["proxy"] for row in run["best_of_n"].values()] for run in sft],
+         "the same answer's proxy score (reward model)", "tab:red", marker="s")
+    proxy.set_ylabel("reward model's score of the kept answer", color="tab:red")
+    for N, value in zip(sft[0]["best_of_n"], kl):
+        right.annotate(f"N={N}", (value, right.get_ylim()[0]), fontsize=7, xytext=(1, 3), textcoords="offset points")
+    right.set(xlabel="KL(best-of-N || SFT policy) = log N - (N-1)/N, nats", ylabel="kept answer right (%)",
+              title="best-of-N of the SFT model: gold and proxy")
+    lines = right.get_legend_handles_labels()[0] + proxy.get_legend_handles_labels()[0]
+    right.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="lower left")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{num_samples} samples at temperature 1 of each of {num_eval_examples} held-out problems; "
+                 f"mean of {len(sft)} seeds (line) and their range (band)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(results: dict) -> str:
+    """pass@k of each model, and best-of-N of the SFT model: mean (range over seeds), in %."""
+    def cell(values):
+        values = [100 * v for v in values]
+        return f"{statistics.fmean(values):.1f} ({min(values):.1f} to {max(values):.1f})"
+
+    ks = list(results["sft"][0]["pass@k"])
+    lines = ["| k or N | " + " | ".join(ks) + " |", "| --- |" + " --- |" * len(ks)]
+    for model in MODELS:
+        lines.append(f"| pass@k, {model} | " + " | ".join(cell([run["pass@k"][k] for run in results[model]])
+                                                         for k in ks) + " |")
+    sft = results["sft"]
+    lines.append("| SFT best-of-N by the reward model, right | " + " | ".join(
+        cell([run["best_of_n"][k]["gold"] for run in sft]) for k in ks) + " |")
+    lines.append("| its reward-model score | " + " | ".join(
+        f"{statistics.fmean(run['best_of_n'][k]['proxy'] for run in sft):.2f}" for k in ks) + " |")
+    lines.append("| KL(best-of-N \\|\\| SFT), nats | " + " | ".join(
+        f"{sft[0]['best_of_n'][k]['kl']:.2f}" for k in ks) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--runs", default="out/syllabus", help="benchmarks/syllabus.py's runs")
+    parser.add_argument("--out", default="out/pass_at_k", help="where the evaluations go")
+    parser.add_argument("--num_samples", type=int, default=64)
+    parser.add_argument("--num_eval_examples", type=int, default=200)
+    parser.add_argument("--docs", default="docs")
+    parser.add_argument("--report", action="store_true", help="evaluate nothing: figure and table from the json")
+    args = parser.parse_args()
+    path = os.path.join(ROOT, args.docs, "best_of_n.json")
+    if args.report:
+        with open(path) as f:
+            results = json.load(f)
+    else:
+        results = {model: [evaluate(model, seed, args) for seed in args.seeds] for model in MODELS}
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+    first = results["sft"][0]
+    figure(results, os.path.join(ROOT, args.docs, "best_of_n.png"), first["n"], first["num_samples"])
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Best-of-N and pass@k: what sampling N answers and keeping one buys, and what a learned judge does to it.
+
+Sample N answers to each held-out problem at temperature 1 (rollout.generate), grade each with the
+checker (gold: right or wrong) and score it with a judge (proxy: the checker itself, or a reward
+model written by reward_model.py), then read three things off the same samples:
+
+  1. pass@k (Chen et al. 2021, eq. 1): the chance that at least one of k answers is right. With c of n
+     samples right, drawn k at a time without replacement: pass@k = 1 - C(n - c, k) / C(n, k).
+     pass@1 is the sampled accuracy; pass@k at large k is what the policy can write at all. SFT
+     against GRPO at k = 1..N asks whether RL sharpens what the samples already hold or adds to it
+     (Yue et al. 2025).
+  2. Best-of-N (Stiennon et al. 2020; Nakano et al. 2021): keep the one of N answers the judge scores
+     highest. Its gold accuracy and its proxy score, for N = 1, 2, 4, ..., each the expectation over
+     every N-subset of the n samples (best_of_n_expectation), not one draw. With the checker as the
+     judge, best-of-N is pass@N.
+  3. Its KL to the policy: KL(best-of-N || pi) = log N - (N - 1) / N, the formula of Stiennon et al. 2020
+     and Gao et al. 2023 (an upper bound, Beirami et al. 2024; exact when no two samples tie). Gold and
+     proxy against that KL is the over-optimisation curve of Gao et al. 2023: the proxy rises with N;
+     where the gold stops following it, best-of-N is picking what the reward model overrates.
+
+    python best_of_n.py --model out/grpo                          # pass@k, best-of-N by the checker
+    python best_of_n.py --model out/sft --judge out/rm            # best-of-N by the reward model: gold vs proxy
+    python best_of_n.py --model out/sft --num_samples 16 --num_eval_examples 100   # a quick look
+
+Writes eval.json (pass@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N) and
+best_of_n.png to --output_dir. Nothing is trained.
+
+Left out, and why: best-of-N as a training target (rejection sampling fine-tuning trains on the
+kept answers; BoN distillation), a judge other than a reward model (an LLM as judge), several
+processes (one process samples every problem: N x 500 answers of the tiny model take about a
+minute on a CPU).
+"""
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import common
+import distributed
+import harness
+import reward_model
+import rollout
+from checks import check_settings
+from common import setting
+
+
+@dataclass
+class Config:
+    model: str = "out/grpo"
+    """the policy to sample: a folder written by sft.py, grpo.py, ..., a hub id, or a .gguf file"""
+    judge: str = "rule"
+    """what picks the best of N: 'rule' (the checker) or a reward model folder written by reward_model.py"""
+    dataset: str = "data/arithmetic"
+    """held-out problems with gold answers: its test.jsonl (GSM8K's question / answer rows)"""
+    num_samples: int = setting(64, lambda v: v >= 1, "at least 1")
+    """n: answers sampled per problem; pass@k and best-of-N are read for k, N = 1, 2, 4, ... up to n"""
+    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out problem)")
+    """held-out problems to sample (the first ones of the test split)"""
+    temperature: float = setting(1.0, lambda v: v >= 0.01, "at least 0.01")
+    """sampling temperature"""
+    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
+    """longest answer in tokens"""
+    system_prompt: str = ""
+    """system message of every prompt (empty: none)"""
+    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
+    """answers sampled (and scored) at once"""
+    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
+    """random seed of the sampling"""
+    output_dir: str = "out/best_of_n"
+    """where eval.json and best_of_n.png go"""
+    overwrite_output_dir: bool = False
+    """replace the eval.json and best_of_n.png an earlier evaluation wrote there"""
+    trust_remote_code: bool = False
+    """run a hub model's own Python code (only for models you trust)"""
+
+
+# ---------------------------------------------------------------------------------------------
+# The three estimates, from one problem's n samples
+# ---------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """pass@k = 1 - C(n - c, k) / C(n, k): the chance that k of the n samples, drawn without replacement,
+    hold at least one of the c right ones (Chen et al. 2021, eq. 1, unbiased). Computed as their
+    figure 3 does, 1 - prod_{i = n-c+1..n} (1 - k / i), which never forms the huge binomials."""
+    if n - c < k:  # every k-subset holds a right answer
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def best_of_n_expectation(values: list[float], scores: list[float], N: int) -> float:
+    """E[value of the highest-scored of N samples drawn without replacement from these n], exactly.
+    Rank the samples by score, i = 1..n from the lowest: the sample of rank i is the best of an
+    N-subset when the other N - 1 come from the i - 1 below it, so it is kept in C(i-1, N-1) of the
+    C(n, N) subsets: E = sum_i values_(i) C(i-1, N-1) / C(n, N), the mean over every subset without
+    enumerating them. Equal scores keep the earlier sample (rank by score, then order)."""
+    n = len(scores)
+    ranked = sorted(range(n), key=lambda j: (scores[j], -j))  # lowest first; of equal scores the earlier ranks higher
+    return sum(values[j] * math.comb(i, N - 1) for i, j in enumerate(ranked)) / math.comb(n, N)
+
+
+def best_of_n_kl(N: int) -> float:
+    """KL(best-of-N || pi) = log N - (N - 1) / N nats (Stiennon et al. 2020; Gao et al. 2023): 0 at N = 1,
+    growing like log N. Exact when no two samples tie; an upper bound in general (Beirami et al. 2024)."""
+    return math.log(N) - (N - 1) / N
+
+
+def powers_of_two(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, and n itself."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and judging
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answers, cfg, device):
+    """The n samples of each problem: (gold [P, n] 1.0 or 0.0 by the checker, proxy [P, n] the judge's
+    scores: the checker's own with --judge rule). A judge with a tokenizer of its own reads the
+    samples as text (reward_model.tokenize_samples)."""
+    gold, proxy = [], []
+    problems_per_batch = max(1, cfg.per_device_eval_batch_size // cfg.num_samples)
+    bar = tqdm(total=len(questions), desc="best_of_n", dynamic_ncols=True, disable=not harness.show_progress())
+    for start in range(0, len(questions), problems_per_batch):
+        batch_questions = questions[start: start + problems_per_batch]
+        repeated = [q for q in batch_questions for _ in range(cfg.num_samples)]
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in repeated]
+        prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature)  # [b*n, P], [b*n, T] x 2
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        right = torch.tensor([float(common.is_correct(text, answer)) for text, answer in
+                              zip(texts, [a for a in answers[start: start + problems_per_batch]
+                                          for _ in range(cfg.num_samples)])])
+        if judge is None:
+            scores = right
+        else:
+            ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+            if judge_tokenizer is not None:  # the judge's own tokens for the same text
+                ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)
+                ids, mask = (x.to(device) for x in reward_model.tokenize_samples(
+                    judge_tokenizer, repeated, texts, ended, cfg.system_prompt))
+            scores = reward_model.sequence_scores(judge, ids, mask).float().cpu()
+            common.check_finite_scores(scores, f"--judge {cfg.judge}")
+        gold.append(right.view(-1, cfg.num_samples))
+        proxy.append(scores.view(-1, cfg.num_samples))
+        bar.update(len(batch_questions))
+    bar.close()
+    return torch.cat(gold), torch.cat(proxy)
+
+
+def summarise(gold: torch.Tensor, proxy: torch.Tensor) -> dict:
+    """The means over problems of pass@k and of best-of-N's gold, proxy and KL, for k, N = 1, 2, 4, ..., n."""
+    n = gold.shape[1]
+    right = gold.sum(dim=1).long().tolist()  # c of each problem
+    gold_rows, proxy_rows = gold.tolist(), proxy.tolist()
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return {
+        "pass@k": {str(k): mean([pass_at_k(n, c, k) for c in right]) for k in powers_of_two(n)},
+        "best_of_n": {str(N): {"gold": mean([best_of_n_expectation(g, p, N) for g, p in zip(gold_rows, proxy_rows)]),
+                               "proxy": mean([best_of_n_expectation(p, p, N) for p in proxy_rows]),
+                               "kl": best_of_n_kl(N)} for N in powers_of_two(n)},
+        "n": len(right), "num_samples": n}
+
+
+def plot(results: dict, path: str, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    ks = [int(k) for k in results["pass@k"]]
+    left.plot(ks, [100 * v for v in results["pass@k"].values()], marker="o")
+    left.set(xscale="log", xlabel="k (answers sampled)", ylabel="pass@k (%)", title="at least one of k right")
+    left.set_xticks(ks, [str(k) for k in ks])
+    rows = results["best_of_n"].values()
+    kl = [row["kl"] for row in rows]
+    right.plot(kl, [100 * results["pass@k"][N] for N in results["best_of_n"]], linestyle="--", color="tab:gray",
+               label="judged by the checker (= pass@N)")
+    right.plot(kl, [100 * row["gold"] for row in rows], marker="o", color="tab:green",
+               label=f"judged by {'the checker' if results['judge'] == 'rule' else 'the judge'}: gold")
+    right.set(xlabel="KL(best-of-N || policy), nats", ylabel="accuracy of the kept answer (%)",
+              title="best-of-N: the kept answer")
+    if results["judge"] != "rule":
+        proxy = right.twinx()
+        proxy.plot(kl, [row["proxy"] for row in rows], marker="s", color="tab:red", label="proxy: judge's score")
+        proxy.set_ylabel("judge's score of the kept answer")
+        proxy.legend(loc="lower right", fontsize=8)
+    right.legend(loc="upper left", fontsize=7)
+    for N, row in results["best_of_n"].items():
+        right.annotate(f"N={N}", (row["kl"], 100 * row["gold"]), fontsize=7, xytext=(2, -9),
+                       textcoords="offset points")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def short(path: str) -> str:
+    """A path's last two parts (out/syllabus/sft/0 -> sft/0), for a title."""
+    return "/".join(os.path.normpath(path).split(os.sep)[-2:])
+
+
+def main(cfg: Config):
+    check_settings(cfg)
+    out = cfg.output_dir
+    if os.path.isfile(os.path.join(out, "eval.json")) and not cfg.overwrite_output_dir:
+        common.fail(f"--output_dir {out} already holds an evaluation (eval.json): --overwrite_output_dir true "
+                    "replaces it, or choose another folder")
+    common.set_seed(cfg.seed)
+    device = distributed.get_device()
+    test = common.load_splits(cfg.dataset, ("question", "answer"), cfg.num_eval_examples)[1]
+    model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
+                                         trust_remote_code=cfg.trust_remote_code)
+    common.check_prompts_fit(model, tokenizer, list(test["question"]), cfg.system_prompt, cfg.max_completion_length,
+                             cfg.dataset)
+    judge = judge_tokenizer = None
+    if cfg.judge != "rule":
+        judge, judge_tokenizer = common.load_model(
+            cfg.judge, scalar_head=True, reward_model=True, trust_remote_code=cfg.trust_remote_code,
+            missing_hint="--judge takes 'rule' or a folder written by reward_model.py")
+        judge.to(device).eval()
+        if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
+            judge_tokenizer = None
+    model.to(device).eval()
+
+    gold, proxy = sample_and_judge(model, tokenizer, judge, judge_tokenizer, list(test["question"]),
+                                   list(test["answer"]), cfg, device)
+    results = {**summarise(gold, proxy), "model": cfg.model, "judge": cfg.judge, "temperature": cfg.temperature}
+
+    os.makedirs(out, exist_ok=True)
+    harness.write_json(os.path.join(out, "eval.json"), results)
+    plot(results, os.path.join(out, "best_of_n.png"),
+         f"{short(cfg.model)}: {cfg.num_samples} samples of each of {results['n']} held-out problems at temperature "
+         f"{cfg.temperature:g}; best of N by {short(cfg.judge) if judge is not None else 'the checker'}")
+    top = str(cfg.num_samples)
+    common.log(f"{cfg.model}: pass@1 {100 * results['pass@k']['1']:.1f}%, pass@{top} "
+               f"{100 * results['pass@k'][top]:.1f}%; best-of-{top} by {cfg.judge}: "
+               f"{100 * results['best_of_n'][top]['gold']:.1f}% right at KL {results['best_of_n'][top]['kl']:.2f} "
+               f"(n={results['n']}); written to {out}/eval.json and {out}/best_of_n.png")
+    return results
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))
