@@ -72,8 +72,9 @@ def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
     band(proxy, kl, [[row["proxy"] for row in run["best_of_n"].values()] for run in sft],
          "the same answer's proxy score (reward model)", "tab:red", marker="s")
     proxy.set_ylabel("reward model's score of the kept answer", color="tab:red")
-    for N, value in zip(sft[0]["best_of_n"], kl):
-        right.annotate(f"N={N}", (value, right.get_ylim()[0]), fontsize=7, xytext=(1, 3), textcoords="offset points")
+    top = right.secondary_xaxis("top")  # N, above the KL it gives
+    top.set_xticks(kl, [str(N) for N in sft[0]["best_of_n"]], fontsize=7)
+    top.set_xlabel("N", fontsize=8)
     right.set(xlabel="KL(best-of-N || SFT policy) = log N - (N-1)/N, nats", ylabel="kept answer right (%)",
               title="best-of-N of the SFT model: gold and proxy")
     lines = right.get_legend_handles_labels()[0] + proxy.get_legend_handles_labels()[0]

@@ -65,3 +65,44 @@ def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
         assert row["kl"] == best_of_n.best_of_n_kl(int(N))
     with pytest.raises(SystemExit, match="already holds an evaluation"):  # an evaluation is not replaced unasked
         best_of_n.main(common.parse_config(best_of_n.Config, ["--model", sft_checkpoint, "--output_dir", out]))
+
+
+def test_the_page_quotes_the_committed_evaluations():
+    """docs/best_of_n.md's table is what benchmarks/pass_at_k.py prints from docs/best_of_n.json, and each
+    number its prose quotes is that file's."""
+    import statistics
+
+    from conftest import ROOT, load_benchmark
+
+    bench = load_benchmark("pass_at_k")
+    with open(os.path.join(ROOT, "docs", "best_of_n.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "docs", "best_of_n.md")) as f:
+        text = f.read()
+    page = " ".join(text.split())
+    assert bench.table(results) in text
+    mean = lambda model, key, k: 100 * statistics.fmean(run[key][k] if key == "pass@k" else run[key][k]["gold"]  # noqa
+                                                      for run in results[model])
+    sft1, grpo1, sft64, grpo64 = (mean(m, "pass@k", k) for m, k in (("sft", "1"), ("grpo", "1"), ("sft", "64"),
+                                                                       ("grpo", "64")))
+    assert f"GRPO raised pass@1 by {grpo1 - sft1:.1f} points and pass@64 by {grpo64 - sft64:.1f}" in page
+    assert f"from {sft1:.1f}% to {grpo1:.1f}% right" in page
+    assert f"already held a right answer {mean('sft', 'pass@k', '16'):.1f}% of the time" in page
+    peak, last = mean("sft", "best_of_n", "4"), mean("sft", "best_of_n", "64")
+    assert f"from {sft1:.1f}% to {peak:.1f}% at N = 4" in page and f"to {last:.1f}% at N = 64" in page
+    assert f"{sft1 - last:.1f} points below a single sample" in page
+    for run in results["sft"]:  # the gold peaks at N = 4 on every seed and falls after; the proxy rises at every N
+        gold = [row["gold"] for row in run["best_of_n"].values()]
+        proxy = [row["proxy"] for row in run["best_of_n"].values()]
+        assert max(gold) == gold[2] and gold[2:] == sorted(gold[2:], reverse=True) and proxy == sorted(proxy)
+    proxies = [statistics.fmean(run["best_of_n"][N]["proxy"] for run in results["sft"]) for N in ("1", "64")]
+    assert f"rises at every N ({proxies[0]:.2f} to {proxies[1]:.2f})" in page
+    assert f"the same samples give {mean('sft', 'pass@k', '64'):.1f}% at N = 64" in page
+    seed0 = {m: 100 * results[m][0]["pass@k"]["64"] for m in ("sft", "grpo")}
+    assert f"the SFT model reached {seed0['sft']:.1f}% and GRPO {seed0['grpo']:.1f}%" in page
+    minutes = [run["wall_minutes"] for m in results for run in results[m]]
+    assert f"{min(minutes):.1f} to {max(minutes):.1f} minutes each" in page
+    with open(os.path.join(ROOT, "docs", "syllabus.json")) as f:
+        starts = json.load(f)["starts"]
+    rm = [100 * starts[s]["rm"]["pairwise_accuracy"] for s in "012"]
+    assert f"{min(rm):.1f}% to {max(rm):.1f}% of held-out pairs ranked right" in page
