@@ -5,7 +5,9 @@ SFT model of seed s and from the GRPO model trained from it (40 steps), and scor
 seed's reward model (reward_model.py, the one PPO and online DPO read). One figure, docs/best_of_n.png:
 pass@k of SFT against GRPO for k = 1..64 (does GRPO sharpen what SFT's samples hold, or add to it?),
 and best-of-N of the SFT model against KL(best-of-N || SFT) = log N - (N - 1) / N, the kept answer's
-gold accuracy (the checker) and its proxy score (the reward model's): the over-optimisation curve.
+gold accuracy (the checker) and its proxy score (the reward model's): the over-optimisation curve; and
+on the same KL axis, PPO and online DPO trained on those reward models (syllabus.py's rm_ppo and
+dpo_online_rm runs) at their evaluations (along_training).
 
     python benchmarks/syllabus.py --methods grpo        # the models (a finished run is read, not repeated)
     python benchmarks/pass_at_k.py                      # the evaluations, docs/best_of_n.json and .png
@@ -26,6 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {"sft": "SFT", "grpo": "GRPO, 40 steps from it"}
+TRAINED = {"rm_ppo": "PPO", "dpo_online_rm": "online DPO"}  # trained on the same reward model (syllabus.py's runs)
 
 
 def evaluate(model: str, seed: int, args) -> dict:
@@ -46,6 +49,30 @@ def evaluate(model: str, seed: int, args) -> dict:
         return {**result, **json.load(f), "seed": seed}
 
 
+def along_training(method: str, seed: int, runs: str) -> list[dict]:
+    """A syllabus.py run trained on the reward model, at its evaluations (steps 0, 20, 40): gold = held-out
+    sampled accuracy, and the mean over the 5 steps up to it of the KL to pi_ref of the policy's samples and
+    their reward-model score (proxy). The KL: PPO's kl_sum (log pi - log pi_ref summed over a sample); online
+    DPO's mean log-ratio of its counted pairs' two samples, (rewards/chosen + rewards/rejected) / (2 beta)
+    (tied pairs, two identical samples, are left out of it). Step 0: the start, KL 0."""
+    with open(os.path.join(ROOT, runs, method, str(seed), "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(ROOT, runs, method, str(seed), "run.json")) as f:
+        beta = json.load(f)["settings"].get("beta")
+
+    def kl(row):
+        return row["kl_sum"] if "kl_sum" in row else (row["rewards/chosen"] + row["rewards/rejected"]) / (2 * beta)
+
+    points = []
+    for row in rows:
+        if "eval/accuracy_sampled" in row:
+            window = [r for r in rows if row["step"] - 5 < r["step"] <= row["step"] and "score" in r]
+            points.append({"step": row["step"], "gold": row["eval/accuracy_sampled"],
+                           "kl": statistics.fmean(kl(r) for r in window) if window else 0.0,
+                           "proxy": statistics.fmean(r["score"] for r in window) if window else None})
+    return points
+
+
 def band(ax, xs, runs: list[list[float]], label: str, color: str, marker: str = "o"):
     """The mean over seeds (points, joined) and their range (band)."""
     columns = list(zip(*runs))
@@ -54,7 +81,7 @@ def band(ax, xs, runs: list[list[float]], label: str, color: str, marker: str = 
 
 
 def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.6))
     ks = [int(k) for k in results["sft"][0]["pass@k"]]
     for model, color in (("sft", "tab:blue"), ("grpo", "tab:orange")):
         band(left, ks, [[100 * v for v in run["pass@k"].values()] for run in results[model]], MODELS[model], color)
@@ -79,10 +106,21 @@ def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
               title="best-of-N of the SFT model: gold and proxy")
     lines = right.get_legend_handles_labels()[0] + proxy.get_legend_handles_labels()[0]
     right.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="lower left")
-    for ax in (left, right):
+    band(third, kl, [[100 * row["gold"] for row in run["best_of_n"].values()] for run in sft],
+         "best-of-N by the reward model (N = 1 ... 64)", "tab:green")
+    for method, color in (("rm_ppo", "tab:purple"), ("dpo_online_rm", "tab:brown")):
+        for i, points in enumerate(results["along_training"][method]):  # one line per seed, steps 0, 20, 40
+            third.plot([p["kl"] for p in points], [100 * p["gold"] for p in points], marker="^", color=color,
+                       alpha=0.8, label=f"{TRAINED[method]} on it, steps 0, 20, 40 (a seed each)" if i == 0 else None)
+    third.set(xlabel="KL to the SFT policy, nats", ylabel="right (%): kept answer, or held-out sampled",
+              title="gold along KL: sampling against training")
+    third.legend(fontsize=7, loc="lower left")
+    for ax in (left, right, third):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{num_samples} samples at temperature 1 of each of {num_eval_examples} held-out problems; "
-                 f"mean of {len(sft)} seeds (line) and their range (band)", fontsize=10)
+    fig.suptitle(f"{num_samples} samples at temperature 1 of each of {num_eval_examples} held-out problems; mean of "
+                 f"{len(sft)} seeds (line) and their range (band). Right: PPO and online DPO trained on each seed's "
+                 "reward model (benchmarks/syllabus.py),\ntheir held-out sampled accuracy (500 problems) against the "
+                 "KL of their samples to the SFT policy", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -125,6 +163,8 @@ def main():
             results = json.load(f)
     else:
         results = {model: [evaluate(model, seed, args) for seed in args.seeds] for model in MODELS}
+        results["along_training"] = {method: [along_training(method, seed, args.runs) for seed in args.seeds]
+                                     for method in TRAINED}
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     first = results["sft"][0]

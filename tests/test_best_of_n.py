@@ -106,3 +106,29 @@ def test_the_page_quotes_the_committed_evaluations():
         starts = json.load(f)["starts"]
     rm = [100 * starts[s]["rm"]["pairwise_accuracy"] for s in "012"]
     assert f"{min(rm):.1f}% to {max(rm):.1f}% of held-out pairs ranked right" in page
+
+
+def test_the_page_quotes_the_runs_along_training():
+    """The right panel's runs, as docs/best_of_n.md quotes them (KL, gold at steps 0, 20 and 40)."""
+    import statistics
+
+    from conftest import ROOT
+
+    with open(os.path.join(ROOT, "docs", "best_of_n.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(ROOT, "docs", "best_of_n.md")) as f:
+        page = " ".join(f.read().split())
+    ppo, dpo = results["along_training"]["rm_ppo"], results["along_training"]["dpo_online_rm"]
+
+    def span(values, fmt):
+        return f"{fmt.format(min(values))} to {fmt.format(max(values))}"
+
+    assert (f"PPO's 40 steps moved its policy {span([run[2]['kl'] for run in ppo], '{:.3f}')} nats and gained "
+            f"{span([100 * (run[2]['gold'] - run[0]['gold']) for run in ppo], '{:.1f}')} points") in page
+    assert all(run[0]["gold"] < run[1]["gold"] < run[2]["gold"] for run in ppo)  # "still rising at step 40"
+    two = statistics.fmean(run["best_of_n"]["2"]["gold"] - run["best_of_n"]["1"]["gold"] for run in results["sft"])
+    assert f"(N = 2, {results['sft'][0]['best_of_n']['2']['kl']:.2f} nats) gains {100 * two:.1f}" in page
+    assert all(run[1]["gold"] > run[0]["gold"] and run[2]["gold"] < run[1]["gold"] for run in dpo)
+    assert (f"{span([run[1]['kl'] for run in dpo], '{:.3f}')} nats at step 20, where its accuracy had risen on every "
+            f"seed, and {span([run[2]['kl'] for run in dpo], '{:.3f}')} nats at step 40, where it had fallen to "
+            f"{span([100 * run[2]['gold'] for run in dpo], '{:.1f}%')}") in page
