@@ -184,17 +184,17 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
 
 @torch.no_grad()
 def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, expert_mask, cfg) -> dict:
-    """MIX's two terms under Trinity's usual/ and expert/ prefixes: usual/loss (the GRPO term with its
-    beta x k3; Trinity's usual/pg_loss leaves the KL out), expert/sft_loss (the expert answers' NLL),
-    and the rows of each. [B*G+E, T] or [B*G+E]; ref_logprobs None when beta is 0."""
+    """MIX's terms under Trinity's usual/ and expert/ prefixes: usual/loss (GRPO's, with beta x k3: Trinity's
+    usual/pg_loss has no KL), expert/sft_loss (the expert NLL; none without expert rows), the rows of each."""
     usual = ~expert_mask
     ref_usual = ref_logprobs[usual] if ref_logprobs is not None else None
     return {
         "usual/loss": grpo_loss(logprobs[usual], old_logprobs[usual], ref_usual, advantages[usual], loss_mask[usual],
                                 cfg.epsilon, cfg.beta, cfg.loss_type, epsilon_high=cfg.epsilon_high,
                                 max_completion_length=cfg.max_completion_length).item(),
-        "expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
-                                    max_completion_length=cfg.max_completion_length).item(),
+        **({"expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
+                                        max_completion_length=cfg.max_completion_length).item()}
+           if expert_mask.any() else {}),
         "usual/num_rows": int(usual.sum()),
         "expert/num_rows": int(expert_mask.sum()),
     }

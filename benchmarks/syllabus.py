@@ -60,6 +60,7 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
     "dpo_offline": ("dpo.py", [], "sft"),
     "dpo_online_rule": ("dpo.py", ["--online", "true", "--judge", "rule"], "sft"),
     "dpo_online_rm": ("dpo.py", ["--online", "true", "--judge", "{rm}"], "sft"),
+    "rft": ("rft.py", [], "sft"),
     # the controls
     "rule_ppo": ("ppo.py", ["--reward_model", "rule"], "sft"),
     "dpo_offline_5e-5": ("dpo.py", ["--learning_rate", "5e-5"], "sft"),
@@ -85,7 +86,7 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
                             "tab:red", "tab:pink", "tab:cyan", "tab:purple", "tab:brown", "darkgreen", "navy",
-                            "tab:gray", "gold", "black"]))  # one colour a method, in every panel
+                            "tab:gray", "gold", "black", "magenta"]))  # one colour a method, in every panel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def gains(runs: list[dict]) -> list[float]:
 def given(run: dict) -> str:
     """What a method was given: learning rate and its KL weight."""
     s = run["settings"]
-    kl = (f"kl_coef {s['kl_coef']}" if "kl_coef" in s else f"beta {s['beta']}" if "beta" in s else "")
+    kl = (f"kl_coef {s['kl_coef']}" if "kl_coef" in s else f"beta {s['beta']}" if "beta" in s else "no KL term")
     updates = (f", {s['num_ppo_epochs']} epochs x {s['num_mini_batches']} mini-batches"
                if s.get("num_ppo_epochs", 1) * s.get("num_mini_batches", 1) > 1 else
                f", {s['num_iterations']} updates" if s.get("num_iterations", 1) > 1 else "")

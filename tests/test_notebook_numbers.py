@@ -207,6 +207,15 @@ QUOTES = [
            r"online +held-out sampled accuracy .*greedy ([\d.]+)% -> ([\d.]+)%")),
     Quote("07_dpo", "What these runs show", r"samples a right answer about one time in (\w+),", 9,
           r"online +held-out sampled accuracy ([\d.]+)%", lambda q, p: int(clean(q[0])) == round(100 / float(p[0]))),
+    Quote("08_best_of_n", "pass@k by hand", r"For k = 2: 1 − 10/28 = ([\d.]+)\.", 3, r"k=2: formula ([\d.]+)"),
+    Quote("08_best_of_n", "pass@1 is c/n", r"pass@1 is c/n = ([\d.]+),", 3, r"k=1: formula ([\d.]+)",
+          lambda q, p: float(q[0]) == float(p[0])),
+    Quote("08_best_of_n", "With one sample the kept answer", r"right half the time \(3 of 6\)\. Two samples do "
+          r"better, ([\d.]+):", 6, r"N=2: formula ([\d.]+)", lambda q, p: float(q[0]) == float(p[0])),
+    Quote("08_best_of_n", "What to look for", r"([\d.]+)% with one sample, ([\d.]+)% with sixteen", 9,
+          (r"pass@k: \{'1': ([\d.]+)", r"'16': ([\d.]+)\}")),
+    Quote("08_best_of_n", "What to look for", r"ranks ([\d.]+)% of the policy's own pairs right", 1,
+          r"step 100: .*policy pairwise accuracy ([\d.]+)%"),
 ]
 
 # Figures the notebooks quote from the README or docs/classic_rlhf.md (the runs they were measured in).

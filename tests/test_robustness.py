@@ -887,6 +887,7 @@ NOTHING_TO_LEARN = {  # a random model never writes the answer format: every rew
                "samples of each prompt the same (a higher --temperature, or a judge with finer scores, gives pairs)"),
     "grpo.py": (["--dynamic_sampling", "true", "--max_sampling_rounds", "2"],
                 "at each one, dynamic sampling found no group whose rewards differ in --max_sampling_rounds rounds"),
+    "rft.py": ([], "at each one, the checker accepted none of the samples"),
 }
 
 
@@ -894,7 +895,7 @@ NOTHING_TO_LEARN = {  # a random model never writes the answer format: every rew
 def test_a_run_with_nothing_to_learn_says_so_and_saves_nothing(saved_tiny, tmp_path, script):
     args, why = NOTHING_TO_LEARN[script]
     out = tmp_path / "out"
-    module = SCRIPTS[script]
+    module = SCRIPTS.get(script) or __import__(script.removesuffix(".py"))
     with pytest.raises(SystemExit) as stop:
         module.main(common.parse_config(module.Config, [
             "--model", str(saved_tiny[0]), "--max_steps", "2", "--per_device_train_batch_size", "8",

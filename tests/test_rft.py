@@ -1,0 +1,80 @@
+"""rft.py: which answers are kept, that its step is REINFORCE with a 0/1 reward, and that a short run learns."""
+import json
+import os
+
+import pytest
+import torch
+
+import common
+import rft
+import rollout
+import sft
+from conftest import run_main
+
+
+def test_keep_mask_all_or_the_first_accepted_of_each_prompt():
+    accepted = torch.tensor([1.0, 0, 1, 0, 0, 0, 0, 1, 1])  # three prompts, k = 3
+    assert rft.keep_mask(accepted, 3, "all").tolist() == [True, False, True, False, False, False, False, True, True]
+    assert rft.keep_mask(accepted, 3, "first").tolist() == [True, False, False, False, False, False, False, True,
+                                                             False]
+
+
+def test_the_sft_step_on_kept_answers_is_reinforce_with_a_0_1_reward():
+    """The gradient of the NLL of the kept answers equals that of the REINFORCE loss
+    -sum_i r_i sum_t log pi(y_it) / (kept tokens) over every sample, r_i = 1 if kept else 0."""
+    torch.manual_seed(0)
+    tokenizer = common.build_tokenizer()
+    model = common.build_tiny_model(tokenizer)
+    prompts = [common.make_prompt(tokenizer, q) for q in ("What is 1 + 2?", "What is 7 - 9?") for _ in range(2)]
+    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(model, tokenizer, prompts, 8)
+    input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    reward = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    kept = reward.bool()
+    gradients = []
+    for loss_of in (lambda lp: sft.sft_loss(lp[kept], completion_mask[kept]),
+                    lambda lp: -(reward[:, None] * lp * completion_mask).sum() / completion_mask[kept].sum()):
+        model.zero_grad()
+        loss_of(rollout.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])).backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    scale = gradients[0].abs().max().item()
+    assert scale > 0 and torch.allclose(gradients[0], gradients[1], rtol=0, atol=1e-5 * scale)
+
+
+@pytest.mark.slow
+def test_a_short_run_changes_the_weights_and_keeps_what_the_checker_accepts(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "rft")
+    run_main("rft.py", "--model", sft_checkpoint, "--max_steps", "3", "--per_device_train_batch_size", "32",
+             "--eval_steps", "3", "--num_eval_examples", "16", "--output_dir", out)
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [row for row in rows if "kept" in row]
+    assert len(steps) == 3 and all(0 < row["kept"] == row["accuracy"] < 1 for row in steps)  # --keep all
+    before, after = (common.load_model(path)[0].state_dict() for path in (sft_checkpoint, out))
+    assert any(not torch.equal(before[name], after[name]) for name in before)
+    assert os.path.isfile(os.path.join(out, "rft.png")) and os.path.isfile(os.path.join(out, "eval.json"))
+
+
+def test_the_pages_quote_the_committed_side_by_side():
+    """docs/best_of_n.md and docs/dpo.md quote rft's gains as docs/syllabus.json has them."""
+    import statistics
+
+    from conftest import ROOT, load_benchmark
+
+    syllabus = load_benchmark("syllabus")
+    with open(os.path.join(ROOT, "docs", "syllabus.json")) as f:
+        results = json.load(f)["results"]
+    pages = {}
+    for name in ("best_of_n.md", "dpo.md"):
+        with open(os.path.join(ROOT, "docs", name)) as f:
+            pages[name] = " ".join(f.read().split())
+    rft, grpo = syllabus.gains(results["rft"]), syllabus.gains(results["grpo"])
+    assert all(a > b for a, b in zip(rft, grpo))  # "more on every seed"
+    assert (f"gained {statistics.fmean(rft):.1f} points of held-out sampled accuracy in 40 steps "
+            f"({min(rft):.1f} to {max(rft):.1f} over the seeds) against GRPO's {statistics.fmean(grpo):.1f} "
+            f"({min(grpo):.1f} to {max(grpo):.1f})") in pages["best_of_n.md"]
+    per_seed = [f"{a - b:+.1f}" for a, b in zip(rft, grpo)]
+    assert (f"{statistics.fmean(rft):.1f} points ({min(rft):.1f} to {max(rft):.1f}) against GRPO's "
+            f"{statistics.fmean(grpo):.1f}, more on each seed ({per_seed[0]}, {per_seed[1]} and {per_seed[2]})"
+            ) in pages["dpo.md"]
+    minutes = [statistics.fmean(run["cost"]["cpu_minutes"] for run in results[m]) for m in ("rft", "grpo")]
+    assert f"({minutes[0]:.1f} minutes against {minutes[1]:.1f})" in pages["dpo.md"]
+    assert results["rft"][0]["settings"]["learning_rate"] == results["grpo"][0]["settings"]["learning_rate"] == 5e-5
