@@ -318,6 +318,12 @@ def test_the_pages_quote_the_committed_syllabus_runs():
     assert (f"which samples {perfect[0]}, {perfect[1]} and {perfect[2]} right on seeds 0, 1 and 2, 40 GRPO steps at "
             f"the default learning rate gained {statistics.fmean(gains):.1f} points, against {gain('grpo')} from the"
             ) in experiments
+    # processor minutes against wall-clock minutes, where a run had the machine to itself
+    alone = [results[m][1]["cost"] for m in ("rule_ppo", "grpo_perfect_teacher")]
+    assert all(abs(c["wall_minutes"] / c["cpu_minutes"] - 1) < 0.01 for c in alone)
+    assert (f"(rule_ppo seed 1: {alone[0]['cpu_minutes']:.2f} processor and {alone[0]['wall_minutes']:.2f} wall-clock "
+            f"minutes; grpo_perfect_teacher seed 1: {alone[1]['cpu_minutes']:.2f} and "
+            f"{alone[1]['wall_minutes']:.2f})") in page
     # the clip, where it acts: GRPO at lr 3e-4 with four updates, with and without it
     clip, no_clip = results["grpo_4_iterations_3e-4"], results["grpo_4_iterations_3e-4_no_clip"]
     assert all(run["means"]["clip_fraction"] == 0 and run["settings"]["epsilon"] == 1e6 for run in no_clip)
@@ -336,3 +342,35 @@ def test_the_pages_quote_the_committed_syllabus_runs():
     assert (f"ends at {sft[0][0]:.1f}% / {sft[0][1]:.1f}%" in experiments and
             f"end at {sft[1][0]:.1f}% / {sft[1][1]:g}% and {sft[2][0]:.1f}% / {sft[2][1]:.1f}% there" in experiments)
     assert f"SFT seed 0 ends at {sft[0][0]:.1f}% greedy / {sft[0][1]:.1f}% sampled on this VM" in page
+
+
+def test_grpo_page_quotes_the_committed_entropy_runs():
+    """docs/grpo.md's entropy table is what benchmarks/entropy.py prints from docs/entropy.json, and its prose
+    quotes that file; the base arm is the side-by-side's grpo_4_iterations made again (the same gains)."""
+    entropy = load_benchmark("entropy")
+    results = json.loads(read("docs", "entropy.json"))
+    text = read("docs", "grpo.md")
+    page = " ".join(text.split())
+    assert entropy.table(results) in text
+
+    def mean(arm, part):
+        return statistics.fmean(run["entropy"][0] if part == "first" else statistics.fmean(run["entropy"][-10:])
+                                for run in results[arm])
+
+    def gain(runs):
+        return statistics.fmean(run["evals"][-1]["sampled"] - run["evals"][0]["sampled"] for run in runs)
+
+    changes = [statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in results["base"]]
+    assert (f"went from {mean('base', 'first'):.3f} to {mean('base', 'last'):.3f} nats per token (steps 31-40), a "
+            f"change of {statistics.fmean(changes):.3f} whose seeds span {min(changes):.3f} to {max(changes):+.3f}"
+            ) in page
+    syllabus = json.loads(read("docs", "syllabus.json"))["results"]["grpo_4_iterations"]
+    assert [run["evals"] for run in results["base"]] == [[{"step": e["step"], "sampled": e["sampled"]}
+                                                          for e in run["evals"]] for run in syllabus]
+    assert (f"the same entropy ({mean('clip_higher', 'last'):.3f}), a gain within the seeds' range "
+            f"({gain(results['clip_higher']):.1f} against {gain(results['base']):.1f})") in page
+    clip = statistics.fmean(100 * run["clip_fraction"] for run in results["clip_higher"])
+    assert f"the clip acts on {clip:.2f}% of tokens" in page
+    hot = [statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in results["temperature_1.2"]]
+    assert (f"{mean('temperature_1.2', 'first'):.3f} at step 1), fell more ({statistics.fmean(hot):.3f}), and the "
+            f"gain was the same ({gain(results['temperature_1.2']):.1f})") in page
