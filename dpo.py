@@ -17,6 +17,8 @@ reward margin. Where it comes from, in five lines:
     python dpo.py --online true                          # online: pairs sampled from the policy, ranked by the checker
     python reward_model.py && python dpo.py --online true --judge out/rm   # ... ranked by a reward model
     python dpo.py --loss_type ipo                        # IPO; --loss_type simpo: SimPO, no reference model
+    python dpo.py --online true --loss_type kto          # KTO: each sample alone, labelled by the checker
+    python dpo.py --online true --steps_per_generation 5 # iterative DPO: pairs sampled once every 5 steps
     torchrun --nproc_per_node 2 dpo.py                   # data parallel over 2 GPUs (or CPU processes)
     torchrun --nproc_per_node 2 dpo.py --fsdp true       # sharded: each process holds half the weights and states
     python dpo.py --lora_r 8                             # LoRA; pi_ref = the model with its adapter off
@@ -24,19 +26,29 @@ reward margin. Where it comes from, in five lines:
 One training step:
   1. pairs: offline, B pairs from --dataset; online (--online true), two samples of each of B
      prompts from the current policy (rollout.generate), ranked by the judge (rule_judge or
-     reward_model_judge; rank_pairs): a tie teaches nothing and weighs 0
+     reward_model_judge; rank_pairs): a tie teaches nothing and weighs 0. With
+     --steps_per_generation k (iterative DPO), the pairs of k steps are sampled at once, every k steps
                                                   input_ids [2B, P+T]: the B chosen rows, then the B rejected
-  2. reference: log pi_ref(y|x) of every row, summed over its tokens (no gradient; none for simpo)
+  2. reference: log pi_ref(y|x) of every row, summed over its tokens (no gradient; none for simpo);
+     KTO also scores mismatched rows for its reference point z0 (kto_reference_point)
                                                   ref_logps [2B]
   3. loss: the policy's log pi(y|x) of every row, with gradient, and the loss of --loss_type
-     (sigmoid_loss, ipo_loss, simpo_loss), a mean over the step's counted pairs; backward()
+     (sigmoid_loss, ipo_loss, simpo_loss: per pair, a mean over the step's counted pairs; kto_loss:
+     per answer, a mean over the step's answers); backward()
   4. update: gradients averaged over processes and clipped, one AdamW step
   5. metrics: TRL's rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
-     logps/chosen, logps/rejected (and online/pairs, online/ties)
+     logps/chosen, logps/rejected, entropy (and online/pairs, online/ties; KTO: kto/z0)
 
 The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
 are rollout.py's; the calls on `run` are harness.py's machinery (resume, evaluation, checkpoints,
 the NaN stop, logging), which changes no number the algorithm computes.
+
+KTO (--loss_type kto) learns from answers one at a time, each labelled desirable or undesirable:
+offline, the chosen and the rejected answer of each pair become two unpaired answers (TRL's
+unpair_preference_dataset); online, each of the two samples of a prompt is labelled by the checker,
+so a tie (both right, or both wrong) still teaches. Iterative DPO (--steps_per_generation k) sits
+between offline and online: k = 1 is online DPO, and a k as large as --max_steps samples one dataset
+from the start, as offline DPO on the policy's own pairs would.
 
 Left out, and why: TRL's other loss types (hinge, robust, exo_pair, ...: the three here span the
 family: a logistic loss, a squared one, one without a reference); label smoothing; precomputing
@@ -44,7 +56,11 @@ the reference log-probs of the whole dataset once (TRL's precompute_ref_log_prob
 saves one forward pass per step); SimPO's optional SFT term (TRL's CPOTrainer adds cpo_alpha x
 the NLL of the chosen answers: here simpo is the pure SimPO loss); online DPO's missing_eos_penalty
 and its judges other than a reward model (PairRM, an LLM as judge); skipping the forward passes
-of tied pairs (they run with weight 0, so that every process runs the same passes under torchrun).
+of tied pairs (they run with weight 0, so that every process runs the same passes under torchrun);
+KTO's apo_zero_unpaired variant and its check that the desirable and undesirable weights balance
+the labels' counts (TRL warns outside a 1 to 4/3 ratio; here the counts are logged: kto/desirable);
+iterative DPO's refreshed reference (some recipes make each round's start pi_ref: here pi_ref stays
+the start, as in online DPO).
 """
 import copy
 from dataclasses import dataclass
@@ -58,7 +74,8 @@ import reward_model
 import rollout
 from common import setting
 
-LOSS_TYPES = ("sigmoid", "ipo", "simpo")  # TRL's names: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo
+LOSS_TYPES = ("sigmoid", "ipo", "simpo", "kto")  # TRL's names: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo,
+#                                                  KTOTrainer's kto
 
 
 @dataclass
@@ -75,12 +92,20 @@ class Config(harness.RLConfig):
     one; both right or both wrong is a tie) or a reward-model folder written by reward_model.py"""
     loss_type: str = setting("sigmoid", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
     """'sigmoid': DPO; 'ipo': IPO's squared loss on the per-token log-ratio margin; 'simpo': SimPO, the
-    length-normalised log-probs with a margin --simpo_gamma and no reference model (see the loss functions)"""
+    length-normalised log-probs with a margin --simpo_gamma and no reference model; 'kto': KTO, each answer
+    alone, desirable or undesirable, against a reference point (see the loss functions)"""
     beta: float = setting(0.1, lambda v: v > 0, "positive")
     """the KL weight of the objective the losses come from: larger keeps the policy closer to pi_ref (TRL's
     default 0.1; IPO's target margin is 1 / (2 beta); the SimPO paper uses 2 to 2.5)"""
     simpo_gamma: float = setting(0.5, lambda v: v >= 0, "0 or more")
     """SimPO's target margin gamma between the chosen and rejected length-normalised rewards (TRL's default)"""
+    desirable_weight: float = setting(1.0, lambda v: v > 0, "positive")
+    """KTO's weight lambda_D on the loss of a desirable answer (TRL's default 1)"""
+    undesirable_weight: float = setting(1.0, lambda v: v > 0, "positive")
+    """KTO's weight lambda_U on the loss of an undesirable answer (TRL's default 1)"""
+    steps_per_generation: int = setting(1, lambda v: v >= 1, "at least 1")
+    """with --online true: sample the pairs of this many steps at once, every this many steps (iterative DPO;
+    TRL's GRPOConfig name for the same schedule); 1 is online DPO, each step's pairs from the current policy"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """offline pairs whose prompt + longer answer is longer than this many tokens are dropped"""
     # the run's settings (harness.py) at this script's defaults
@@ -102,6 +127,21 @@ class Config(harness.RLConfig):
         if self.changed("judge") and not self.online:
             common.fail("--judge ranks online DPO's own samples: add --online true (offline DPO learns from the "
                         "pairs of --dataset)")
+        if self.steps_per_generation > 1 and not self.online:
+            common.fail("--steps_per_generation says how often online DPO samples new pairs: add --online true")
+        if self.save_steps % self.steps_per_generation:
+            common.fail(f"--save_steps {self.save_steps} must be a multiple of --steps_per_generation "
+                        f"{self.steps_per_generation}, so that a checkpoint falls where new pairs are sampled and "
+                        "--resume starts there")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if self.changed(name) and self.loss_type != "kto":
+                common.fail(f"--{name} weighs KTO's loss: add --loss_type kto")
+        if self.loss_type == "kto" and self.online and self.judge != "rule":
+            common.fail("KTO needs each sample labelled desirable or undesirable, which the checker does: "
+                        "--judge rule (a reward model scores, it does not label)")
+        if self.loss_type == "kto" and self.per_device_train_batch_size * self.gradient_accumulation_steps < 2:
+            common.fail("KTO's reference point pairs each prompt with another prompt's answer: a step needs at "
+                        "least 2 pairs (--per_device_train_batch_size x --gradient_accumulation_steps)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +151,14 @@ class Config(harness.RLConfig):
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log pi(y|x) = sum over the answer's real tokens of log pi(y_t | x, y_<t): [B, T] -> [B]."""
     return torch.where(mask.bool(), logprobs, 0.0).sum(dim=1)
+
+
+@torch.no_grad()
+def answer_logps(model, input_ids, attention_mask, T: int, temperature: float, micro_batches) -> torch.Tensor:
+    """log pi(y|x) of each row [N] (no gradient), a micro-batch at a time: the reference's pass, and
+    KTO's mismatched rows."""
+    return sequence_logprobs(rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
+                                               temperature, micro_batches=micro_batches), attention_mask[:, -T:])
 
 
 def implicit_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -148,10 +196,47 @@ def simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, b
     return -F.logsigmoid(beta * margin - gamma)
 
 
-def pair_losses(cfg, logps, ref_logps, lengths) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of --loss_type for each pair [b], and each row's reward [2b] for the metrics (DPO and
-    IPO: the implicit reward; SimPO: beta times the mean log-prob per token, as TRL's CPOTrainer logs).
-    logps, ref_logps (None for simpo), lengths [2b]: the b chosen rows, then the b rejected ones."""
+def kto_loss(logps, ref_logps, desirable, z0, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> torch.Tensor:
+    """KTO (Ethayarajh et al. 2024, eq. 8; TRL's KTOTrainer, loss_type 'kto'), per answer, [N] -> [N]:
+        r    = log pi(y|x) - log pi_ref(y|x)                the implicit reward, over beta
+        loss = lambda_D * (1 - sigmoid(beta * (r - z0)))     a desirable answer (desirable 1)
+               lambda_U * (1 - sigmoid(beta * (z0 - r)))     an undesirable one (desirable 0)
+    z0, the reference point, is a number (kto_reference_point). Each answer alone, no pair: a
+    desirable answer is pushed above the reference point, an undesirable one below it.
+    Why the sigmoid and the reference point: docs/dpo.md#kto-one-answer-at-a-time"""
+    r = logps - ref_logps
+    return torch.where(desirable.bool(), desirable_weight * (1 - torch.sigmoid(beta * (r - z0))),
+                       undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r))))
+
+
+def kto_reference_point(logps, ref_logps) -> torch.Tensor:
+    """KTO's z0, an estimate of KL(pi || pi_ref) that needs no sample of pi (Ethayarajh et al. 2024,
+    section 4.1; TRL's KTOTrainer): log pi(y'|x) - log pi_ref(y'|x) of mismatched rows, each prompt x
+    with the answer of the row before it (mismatched_rows), its mean, at least 0, with no gradient.
+    logps, ref_logps [N] of the mismatched rows; under torchrun the mean is over every process's rows."""
+    logratios = (logps - ref_logps).detach()  # [N]
+    return (common.global_sum(logratios.sum()) / common.global_sum(len(logratios))).clamp(min=0)
+
+
+def mismatched_rows(input_ids, attention_mask, T: int):
+    """Each row's prompt with the answer of the row before it (the first with the last's): rows
+    [N, P+T] of [left-padded prompt | right-padded answer], the answers rolled by one row, as TRL's
+    KTOTrainer builds its KL_completion_ids. Rows 2i and 2i + 1 share a prompt in neither layout
+    (offline: chosen rows then rejected; online: one sample of each prompt, then the other), so every
+    prompt meets another prompt's answer once the step holds 2 pairs or more."""
+    rolled = [torch.cat([x[:, :-T], x[:, -T:].roll(1, dims=0)], dim=1) for x in (input_ids, attention_mask)]
+    return rolled[0], rolled[1]
+
+
+def pair_losses(cfg, logps, ref_logps, lengths, desirable=None, z0=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of --loss_type for each pair [b] (KTO: each answer [2b]), and each row's reward [2b] for
+    the metrics (DPO, IPO, KTO: the implicit reward; SimPO: beta times the mean log-prob per token, as
+    TRL's CPOTrainer logs). logps, ref_logps (None for simpo), lengths [2b]: the b chosen rows, then the
+    b rejected ones; KTO: each row's label desirable [2b] and the step's reference point z0."""
+    if cfg.loss_type == "kto":
+        return (kto_loss(logps, ref_logps, desirable, z0, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight),
+                implicit_rewards(logps, ref_logps, cfg.beta))
     if cfg.loss_type == "simpo":
         return simpo_loss(*logps.chunk(2), *lengths.chunk(2), cfg.beta, cfg.simpo_gamma), cfg.beta * logps / lengths
     if cfg.loss_type == "ipo":
@@ -193,8 +278,8 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
     policy, scored by the judge (the checker, or judge_model) and put in pair order, the B chosen
     rows then the B rejected (rank_pairs). A judge whose tokenizer is not the policy's (judge_tokenizer)
     reads the samples as text in its own ids (reward_model.tokenize_samples). Returns input_ids,
-    attention_mask [2B, P+T], T, the pairs' weights [B] (0 for a tie), the online metrics, and the
-    completions to log."""
+    attention_mask [2B, P+T], T, the pairs' weights [B] (0 for a tie), each row's verdict by the
+    checker [2B] (1 right, 0 wrong: KTO's labels), the online metrics, and the completions to log."""
     texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
              for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
     prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
@@ -218,7 +303,8 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
                "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
                **({"score": scores.mean().item()} if judge_model is not None else {})}
     completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
-    return input_ids[order], attention_mask[order], completion_ids.shape[1], weights, metrics, completions
+    return (input_ids[order], attention_mask[order], completion_ids.shape[1], weights, correct[order.cpu()], metrics,
+            completions)
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
@@ -241,6 +327,19 @@ def step_metrics(rewards, logps, lengths, weights) -> dict:
             "rewards/accuracies": weighted_mean((chosen_rewards > rejected_rewards).float(), weights),
             "logps/chosen": weighted_mean(chosen_logps, weights),
             "logps/rejected": weighted_mean(rejected_logps, weights),
+            "completion_length": lengths.float().mean().item()}
+
+
+@torch.no_grad()
+def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
+    """TRL's KTO metrics: rewards/chosen and logps/chosen are means over the desirable answers,
+    rewards/rejected and logps/rejected over the undesirable ones; margins their difference; kto/z0 the
+    reference point (TRL's kl); kto/desirable the share of desirable answers. All [2B] but z0."""
+    undesirable = 1 - desirable
+    chosen, rejected = weighted_mean(rewards, desirable), weighted_mean(rewards, undesirable)
+    return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
+            "logps/chosen": weighted_mean(logps, desirable), "logps/rejected": weighted_mean(logps, undesirable),
+            "kto/z0": z0.item(), "kto/desirable": desirable.mean().item(),
             "completion_length": lengths.float().mean().item()}
 
 
@@ -315,47 +414,59 @@ def main(cfg: Config):
     for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # 1. Pairs, as 2B rows [left-padded prompt | right-padded answer]: the B chosen, then the B rejected.
         online_metrics, completions = {}, None
-        if cfg.online:  # two samples of each of B prompts from the current policy, ranked by the judge
-            step_data = prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]}
-            input_ids, attention_mask, T, weights, online_metrics, completions = sample_and_rank(
-                model, tokenizer, judge_model, step_data, cfg, judge_tokenizer)
-            if common.global_sum(weights.sum().item()) == 0:  # (of every process) each pair a tie: a loss of 0
+        if cfg.online:  # two samples of each of B prompts from the policy, ranked by the judge
+            if (step - 1) % cfg.steps_per_generation == 0:  # now: the pairs of this step and the next k - 1
+                step_prompts = [prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]} a step
+                                for _ in range(cfg.steps_per_generation)]
+                sampled = [sample_and_rank(model, tokenizer, judge_model, step_data, cfg, judge_tokenizer)
+                           for step_data in step_prompts]
+            input_ids, attention_mask, T, weights, desirable, online_metrics, completions = sampled.pop(0)
+            if common.global_sum(weights.sum().item()) == 0 and cfg.loss_type != "kto":  # each pair a tie: loss 0
                 run.nothing_to_learn("every pair was a tie, the judge scoring both samples of each prompt the same "
                                      "(a higher --temperature, or a judge with finer scores, gives pairs)")
-        else:  # B pairs of the dataset
+        else:  # B pairs of the dataset; for KTO, 2B answers: each chosen one desirable, each rejected one not
             batch = run.rng.sample(pairs, B)
             input_ids, attention_mask = (x.to(run.device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
             T, weights = max(max(len(c), len(r)) for _, c, r in batch), torch.ones(B)
-        weights, temperature = weights.to(run.device), cfg.temperature if cfg.online else 1.0
+            desirable = torch.arange(2 * B) < B  # [2B]: the chosen rows
+        temperature = cfg.temperature if cfg.online else 1.0
+        weights = (torch.ones(2 * B) if cfg.loss_type == "kto" else weights).to(run.device)  # KTO: every answer counts
         answer_mask = attention_mask[:, -T:]  # [2B, T]
         lengths = answer_mask.sum(dim=1).float()  # [2B] |y|, EOS included
         # Gradient accumulation: micro-batches of pairs, each the rows of its chosen and its rejected answers.
         micro_batches = [torch.cat([pair_ids, pair_ids + B])
                          for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
-        step_pairs = common.mean_denominator(weights)  # the step's counted pairs (under torchrun: of all processes / N)
+        step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
 
-        # 2. The reference's log-probs, log pi_ref(y|x) per row (no gradient).
-        ref_logps = None  # [2B]; SimPO needs none
+        # 2. The reference's log-probs, log pi_ref(y|x) per row (no gradient); KTO's reference point z0.
+        ref_logps = z0 = None  # [2B]; SimPO needs none
+        mismatched = mismatched_rows(input_ids, attention_mask, T) if cfg.loss_type == "kto" else None  # KTO's z0
         if needs_reference:
             with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                ref_logps = sequence_logprobs(rollout.inference(rollout.completion_logprobs, reference, input_ids,
-                                                                attention_mask, T, temperature,
-                                                                micro_batches=micro_batches), answer_mask)
+                ref_logps = answer_logps(reference, input_ids, attention_mask, T, temperature, micro_batches)
+                if mismatched is not None:  # each prompt with another prompt's answer [2B, P+T]
+                    ref_mismatched_logps = answer_logps(reference, *mismatched, T, temperature, micro_batches)
+        if mismatched is not None:
+            z0 = kto_reference_point(answer_logps(model, *mismatched, T, temperature, micro_batches),
+                                     ref_mismatched_logps)
 
-        # 3. The policy's log-probs, the loss of each pair, its share of the step's mean; backward.
+        # 3. The policy's log-probs, the loss of each pair (KTO: answer), its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)
-        logps, rewards = torch.zeros(2 * B), torch.zeros(2 * B)  # [2B] each, detached: for the metrics
+        logps, rewards, entropy = torch.zeros(3, 2 * B)  # [2B] each, detached: for the metrics
         loss = 0.0
         for rows in micro_batches:
-            micro_logps = sequence_logprobs(rollout.completion_logprobs(
-                model, input_ids[rows], attention_mask[rows], T, temperature), answer_mask[rows])  # [2b]
-            micro_losses, micro_rewards = pair_losses(
-                cfg, micro_logps, ref_logps[rows] if needs_reference else None, lengths[rows])  # [b], [2b]
-            pair_rows = rows[: len(rows) // 2]  # the micro-batch's pairs
-            micro_loss = (micro_losses * weights[pair_rows]).sum() / step_pairs
+            micro_logprobs, micro_entropy = rollout.completion_logprobs(
+                model, input_ids[rows], attention_mask[rows], T, temperature, with_entropy=True)  # [2b, T] each
+            micro_logps = sequence_logprobs(micro_logprobs, answer_mask[rows])  # [2b]
+            micro_losses, micro_rewards = pair_losses(  # [b] (KTO: [2b]), [2b]
+                cfg, micro_logps, ref_logps[rows] if needs_reference else None, lengths[rows],
+                desirable[rows.cpu()].to(run.device) if cfg.loss_type == "kto" else None, z0)
+            counted = weights[rows] if cfg.loss_type == "kto" else weights[rows[: len(rows) // 2]]  # answers, pairs
+            micro_loss = (micro_losses * counted).sum() / step_count
             micro_loss.backward()  # gradients add up over the micro-batches
             loss = loss + micro_loss.detach()
             logps[rows.cpu()], rewards[rows.cpu()] = micro_logps.detach().cpu(), micro_rewards.detach().cpu()
+            entropy[rows.cpu()] = sequence_logprobs(micro_entropy, answer_mask[rows]).cpu()  # summed over tokens
 
         # 4. The update.
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
@@ -363,8 +474,11 @@ def main(cfg: Config):
         scheduler.step()
 
         # 5. Metrics.
-        run.log({"loss": loss.item(), **step_metrics(rewards, logps, lengths.cpu(), weights.cpu()),
-                 **online_metrics, "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
+        metrics = (kto_metrics(rewards, logps, lengths.cpu(), desirable.float().cpu(), z0) if cfg.loss_type == "kto"
+                   else step_metrics(rewards, logps, lengths.cpu(), weights.cpu()))
+        run.log({"loss": loss.item(), **metrics, **online_metrics,
+                 "entropy": entropy.sum().item() / lengths.sum().item(),  # a token mean, as TRL's DPOTrainer logs it
+                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
                 completions=completions)
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],

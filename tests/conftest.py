@@ -167,6 +167,19 @@ def sft_checkpoint(tmp_path_factory):
         "--num_eval_examples", "64", "--overwrite_output_dir", "true"))
 
 
+@pytest.fixture(scope="session")
+def sft_folder(tmp_path_factory):
+    """A folder sft.py wrote after 80 steps (~20 s): its layout, run record, checkpoint and tokenizer, and a
+    model that has learned the answer's layout and to stop (completions end at different lengths), not yet
+    the sums. For the tests that need a policy folder, not a policy that solves the task."""
+    return built_once(tmp_path_factory, "sft_folder", lambda out: run_main(
+        "sft.py", "--output_dir", out, *SFT_FOLDER_RUN, "--overwrite_output_dir", "true"))
+
+
+SFT_FOLDER_RUN = ["--max_steps", "80", "--learning_rate", "2e-3", "--eval_steps", "80", "--num_eval_examples", "8",
+                  "--eval_on_start", "false"]  # sft_folder's settings
+
+
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory):
     """A freshly built tiny model + tokenizer saved to disk, as sft.py does."""

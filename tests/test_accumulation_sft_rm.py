@@ -155,11 +155,11 @@ def test_sft_accumulation_gives_the_one_pass_step(tmp_path):
     _assert_same_first_update(start.state_dict(), weights_a, weights_b, learning_rate=1e-3)
 
 
-def test_reward_model_accumulation_gives_the_one_pass_step(sft_checkpoint, tmp_path):
+def test_reward_model_accumulation_gives_the_one_pass_step(sft_folder, tmp_path):
     runs = {}
     for batch_size, accumulation in ((16, 1), (4, 4)):
         out = str(tmp_path / f"{batch_size}x{accumulation}")
-        run_main("reward_model.py", "--model", sft_checkpoint, "--output_dir", out, "--max_steps", "1",
+        run_main("reward_model.py", "--model", sft_folder, "--output_dir", out, "--max_steps", "1",
                  "--learning_rate", "1e-3", "--warmup_steps", "0", "--policy_prompts", "0",
                  "--per_device_train_batch_size", str(batch_size), "--gradient_accumulation_steps", str(accumulation),
                  "--eval_steps", "100", "--num_eval_examples", "8")
@@ -168,7 +168,7 @@ def test_reward_model_accumulation_gives_the_one_pass_step(sft_checkpoint, tmp_p
     assert one_pass["step"] == accumulated["step"] == 1
 
     common.set_seed(0)  # reward_model.py's start: the SFT weights and a head drawn after set_seed(seed)
-    start, _ = common.load_model(sft_checkpoint, scalar_head=True)
+    start, _ = common.load_model(sft_folder, scalar_head=True)
     # the step's scores are means over its 16 pairs in both runs (not over the last micro-batch's 4)
     for name in ("score/chosen", "score/rejected", "margin"):
         _logged_close(accumulated[name], one_pass[name], forward_terms(start.config) + 16, scale=1.0)  # O(1) scores

@@ -1,5 +1,6 @@
-"""dpo.py: the three losses by hand (values and gradients), the implicit rewards, the online judge and
-its pairs; end to end (slow): an offline run, an online run that learns, LoRA, resume, torchrun."""
+"""dpo.py: the losses by hand (values and gradients; KTO's also against TRL's formula), the implicit
+rewards, the online judge and its pairs; end to end (slow): an offline run, an online run that learns,
+online KTO, iterative DPO, LoRA, resume, torchrun."""
 import json
 import math
 import os
@@ -92,6 +93,69 @@ def test_pair_losses_dispatch_and_rewards_per_loss_type():
     assert dpo.pair_losses(cfg, logps, ref_logps, lengths)[0].tolist() == approx([(0.5 + 1 / 3 - 1) ** 2], terms=8)
 
 
+def test_kto_loss_hand_computed_with_its_gradients():
+    """beta 0.1, z0 0.5, lambda_D 2, lambda_U 1. Answer 0, desirable: r = -1 - -2 = 1, loss = 2 (1 - sigmoid(0.05)),
+    d loss / d log pi = -2 * 0.1 * s (1 - s) with s = sigmoid(0.05). Answer 1, undesirable: r = -3 - -2 = -1,
+    loss = 1 - sigmoid(0.1 * (0.5 + 1)) = 1 - sigmoid(0.15), d loss / d log pi = +0.1 * s (1 - s), s = sigmoid(0.15)."""
+    logps = torch.tensor([-1.0, -3.0], requires_grad=True)
+    ref_logps, desirable = torch.tensor([-2.0, -2.0]), torch.tensor([1.0, 0.0])
+    losses = dpo.kto_loss(logps, ref_logps, desirable, torch.tensor(0.5), beta=0.1, desirable_weight=2.0,
+                          undesirable_weight=1.0)
+    assert losses.tolist() == approx([2 * (1 - sigmoid(0.05)), 1 - sigmoid(0.15)], terms=8, scale=2)
+    losses.sum().backward()
+    s0, s1 = sigmoid(0.05), sigmoid(0.15)
+    assert logps.grad.tolist() == approx([-2 * 0.1 * s0 * (1 - s0), 0.1 * s1 * (1 - s1)], terms=8, scale=0.1)
+
+
+def test_kto_loss_is_trls_kto_trainer_formula():
+    """The loss and reference point of TRL 1.16's KTOTrainer._compute_loss (loss_type 'kto'), transcribed:
+    kl = (KL_logps - ref_KL_logps).mean().clamp(min=0); chosen_losses = 1 - sigmoid(beta (chosen_logratios -
+    kl)); rejected_losses = 1 - sigmoid(beta (kl - rejected_logratios)); loss = cat(desirable_weight *
+    chosen_losses, undesirable_weight * rejected_losses).nanmean(). Ours, on the same numbers in a mixed order."""
+    torch.manual_seed(0)
+    logps, ref_logps = -10 * torch.rand(12), -10 * torch.rand(12)  # [N] log pi(y|x) of 12 answers
+    kl_logps, ref_kl_logps = -10 * torch.rand(12), -10 * torch.rand(12)  # of the mismatched rows
+    desirable = torch.tensor([1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1, 1.0])
+    beta, dw, uw = 0.3, 1.5, 0.8
+    kl = (kl_logps - ref_kl_logps).mean().clamp(min=0)  # TRL's, from here on
+    logratios = logps - ref_logps
+    chosen_losses = 1 - torch.sigmoid(beta * (logratios[desirable == 1] - kl))
+    rejected_losses = 1 - torch.sigmoid(beta * (kl - logratios[desirable == 0]))
+    trl_loss = torch.cat((dw * chosen_losses, uw * rejected_losses), 0).nanmean()
+    z0 = dpo.kto_reference_point(kl_logps, ref_kl_logps)  # ours
+    assert z0.item() == approx(kl.item(), terms=12, scale=10)
+    ours = dpo.kto_loss(logps, ref_logps, desirable, z0, beta, dw, uw).mean()
+    assert ours.item() == approx(trl_loss.item(), terms=12)
+
+
+def test_kto_reference_point_is_a_mean_at_least_zero_without_gradient():
+    logps = torch.tensor([-1.0, -2.0, -6.0], requires_grad=True)
+    assert dpo.kto_reference_point(logps, torch.tensor([-2.0, -2.0, -9.0])).item() == approx(4 / 3, terms=3)  # 1, 0, 3
+    z0 = dpo.kto_reference_point(logps, torch.tensor([-1.0, -1.0, -1.0]))  # the mean log-ratio is -7/3
+    assert z0.item() == 0.0 and not z0.requires_grad
+
+
+def test_mismatched_rows_give_each_prompt_the_answer_of_the_row_before():
+    """[left-padded prompt | right-padded answer] rows, 2 pairs laid out as dpo.py lays them (rows 0, 1 the
+    chosen answers of prompts a, b; rows 2, 3 their rejected): each row keeps its prompt and takes the answer
+    of the row before, the first the last's; no prompt meets an answer of its own."""
+    P = [[0, 11], [12, 13], [0, 11], [12, 13]]  # prompts a, b, a, b (0 = padding)
+    A = [[21, 0], [22, 23], [24, 0], [25, 26]]  # their answers
+    ids = torch.tensor([p + a for p, a in zip(P, A)])
+    mask = (ids != 0).long()
+    mismatched_ids, mismatched_mask = dpo.mismatched_rows(ids, mask, T=2)
+    assert mismatched_ids.tolist() == [[0, 11, 25, 26], [12, 13, 21, 0], [0, 11, 22, 23], [12, 13, 24, 0]]
+    assert torch.equal(mismatched_mask, (mismatched_ids != 0).long())
+
+
+def test_pair_losses_dispatch_kto_per_answer():
+    logps, ref_logps, lengths = torch.tensor([-2.0, -6.0]), torch.tensor([-3.0, -5.0]), torch.tensor([2.0, 3.0])
+    cfg = dpo.Config(beta=0.5, loss_type="kto", undesirable_weight=2.0)
+    losses, rewards = dpo.pair_losses(cfg, logps, ref_logps, lengths, torch.tensor([1.0, 0.0]), torch.tensor(0.0))
+    assert losses.tolist() == approx([1 - sigmoid(0.5), 2 * (1 - sigmoid(0.5))], terms=8, scale=2)
+    assert rewards.tolist() == approx([0.5, -0.5], terms=4)
+
+
 def test_sequence_logprobs_sum_the_real_tokens_only():
     logprobs = torch.tensor([[-1.0, -2.0, float("nan")], [-0.5, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -143,8 +207,9 @@ def test_a_judge_with_its_own_tokenizer_reads_the_samples_as_text():
     for judge_model, judge_tokenizer in ((judge, tokenizer), (rotated_judge, rotated_tok)):
         torch.manual_seed(0)
         outputs.append(dpo.sample_and_rank(policy, tokenizer, judge_model, step_data, cfg, judge_tokenizer))
-    (ids_a, mask_a, _, weights_a, _, logged_a), (ids_b, mask_b, _, weights_b, _, logged_b) = outputs
+    (ids_a, _, _, weights_a, right_a, _, logged_a), (ids_b, _, _, weights_b, right_b, _, logged_b) = outputs
     assert torch.equal(ids_a, ids_b) and torch.equal(weights_a, weights_b) and logged_a == logged_b
+    assert torch.equal(right_a, right_b)
 
 
 # --- end to end --------------------------------------------------------------------------------
@@ -195,6 +260,48 @@ def test_online_run_with_the_rule_judge_raises_the_accuracy_of_its_samples(sft_c
     assert all(r["online/pairs"] == approx(32 * (1 - r["online/ties"]), terms=4, scale=32) for r in rows)
     assert os.path.isfile(os.path.join(out, "online_dpo.png")) and os.path.isfile(os.path.join(out,
                                                                                                "completions.jsonl"))
+
+
+@pytest.mark.slow
+def test_online_kto_starts_at_half_and_learns_from_the_checkers_labels(sft_checkpoint, tmp_path):
+    """Online KTO: the policy starts as its reference, so at step 1 every log-ratio is 0, z0 is 0 and each
+    answer's loss 1 - sigmoid(0) = 1/2 (weights 1): the loss is 0.5 to float precision. Every sample counts,
+    ties included: kto/desirable is the share of right samples, as the checker labels them."""
+    out = str(tmp_path / "kto")
+    run_main("dpo.py", "--model", sft_checkpoint, "--online", "true", "--loss_type", "kto", "--output_dir", out,
+             "--max_steps", "3", "--learning_rate", "1e-4", "--gradient_accumulation_steps", "2", *SHORT)
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert rows[0]["kto/z0"] == 0.0 and rows[0]["loss"] == approx(0.5, terms=16)
+    assert all(row["kto/desirable"] == row["accuracy"] for row in rows)
+    assert rows[-1]["loss"] != rows[0]["loss"]
+    before, after = load_file(os.path.join(sft_checkpoint, "model.safetensors")), load_file(
+        os.path.join(out, "model.safetensors"))
+    assert any(not torch.equal(before[k], after[k]) for k in after)
+
+
+@pytest.mark.slow
+def test_iterative_dpo_samples_once_every_k_steps_and_resumes_there(sft_checkpoint, tmp_path, monkeypatch):
+    """--steps_per_generation 2: the policy samples at steps 1 and 3 only (no time/generation at 2 and 4),
+    and a crash after the step-2 checkpoint, resumed, ends as the unbroken run."""
+    args = ["--model", sft_checkpoint, "--online", "true", "--steps_per_generation", "2", "--max_steps", "4",
+            "--save_steps", "2", "--eval_steps", "2", *SHORT]
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    run_main("dpo.py", *args, "--output_dir", whole)
+    rows = [row for row in read_metrics(whole) if "loss" in row]
+    assert ["time/generation" in row for row in rows] == [True, False, True, False]
+    save = harness.save_training_state
+
+    def crash_after_step_2(run_dir, cfg, step, *rest, **kwargs):
+        save(run_dir, cfg, step, *rest, **kwargs)
+        if step == 2:
+            raise RuntimeError("crashed after the checkpoint")
+
+    monkeypatch.setattr(harness, "save_training_state", crash_after_step_2)
+    with pytest.raises(RuntimeError, match="crashed"):
+        dpo.main(dpo.common.parse_config(dpo.Config, [*args, "--output_dir", broken]))
+    monkeypatch.undo()
+    assert "resumed from" in run_main("dpo.py", *args, "--output_dir", broken, "--resume", "true").stdout
+    assert_same_run(whole, broken)
 
 
 @pytest.mark.slow

@@ -77,12 +77,12 @@ def test_ppo_with_several_epochs_and_mini_batches_and_the_rule_reward(sft_checkp
     assert len(rows) == 2 and all(-1 <= row["score"] <= 1 for row in rows)  # the mean of +-1 scores
 
 
-def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_checkpoint, tmp_path, monkeypatch):
+def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_folder, tmp_path, monkeypatch):
     """With one update per step (the default), ppo.py skips the actor's and the critic's inference passes and
     takes pi_old and V_old from the training pass (ppo.makes_one_update). One step both ways, the same
     micro-batches: the same experience, the same losses to float rounding, the same weights (as norms, for
     AdamW's first step: conftest.assert_same_update)."""
-    args = ["--model", sft_checkpoint, "--reward_model", "rule", "--max_steps", "1", "--eval_steps", "100",
+    args = ["--model", sft_folder, "--reward_model", "rule", "--max_steps", "1", "--eval_steps", "100",
             "--num_eval_examples", "4", "--warmup_steps", "0", "--per_device_train_batch_size", "32"]
     borrowed, plain = str(tmp_path / "borrowed"), str(tmp_path / "plain")
     run_main("ppo.py", *args, "--output_dir", borrowed)
@@ -92,22 +92,22 @@ def test_ppo_one_update_takes_pi_old_and_v_old_from_its_training_pass(sft_checkp
     (a,), (b,) = ([row for row in read_metrics(d) if "score" in row] for d in (borrowed, plain))
     for key in ("score", "completion_length", "accuracy"):  # the same rollout
         assert a[key] == b[key], key
-    config = common.load_model(sft_checkpoint)[0].config
+    config = common.load_model(sft_folder)[0].config
     tokens = round(32 * a["completion_length"])  # the sums over the step's tokens
     for key, scale in (("kl_sum", 1.0), ("value_error", None), ("loss/critic", None), ("entropy", None),
                        ("loss/actor", 4.0)):  # loss/actor: whitened advantages x a ratio of 1
         assert_close(a[key], b[key], terms=forward_terms(config) + tokens, scale=scale, msg=key)
     for sub in ("", "critic"):  # the critic is the SFT transformer with a new value head: compare the transformer
-        assert_same_update(sft_checkpoint, borrowed, plain, sub)
+        assert_same_update(sft_folder, borrowed, plain, sub)
 
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/sft"], "run `python sft.py` first"),
     (["--reward_model", "/nonexistent/rm"], "run `python reward_model.py` first"),
 ])
-def test_ppo_missing_checkpoints_say_what_to_run(sft_checkpoint, tmp_path, args, message):
+def test_ppo_missing_checkpoints_say_what_to_run(sft_folder, tmp_path, args, message):
     with pytest.raises(SystemExit) as stop:
-        ppo.main(common.parse_config(ppo.Config, ["--model", sft_checkpoint, "--output_dir", str(tmp_path), *args]))
+        ppo.main(common.parse_config(ppo.Config, ["--model", sft_folder, "--output_dir", str(tmp_path), *args]))
     assert message in str(stop.value.code)
 
 

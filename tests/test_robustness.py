@@ -24,7 +24,7 @@ import mix
 import ppo
 import reward_model
 import sft
-from conftest import ROOT, assert_same_run, rotated_tokenizer, run, run_main, tiny_reward_model
+from conftest import SFT_FOLDER_RUN, ROOT, assert_same_run, rotated_tokenizer, run, run_main, tiny_reward_model
 
 SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix,
            "dpo.py": dpo}
@@ -44,8 +44,7 @@ ROW = json.dumps({"question": "What is 1 + 1?", "answer": "1+1=2\n#### 2"}) + "\
 PAIR = json.dumps({"prompt": "What is 1 + 1?", "chosen": "<answer>2</answer>", "rejected": "<answer>3</answer>"}) + "\n"
 LONG = json.dumps({"question": "What is " + "1 + " * 400 + "1?", "answer": "#### 401"}) + "\n"
 GSM8K = ["sft.py", "grpo.py", "mix.py", "ppo.py"]  # the scripts that read GSM8K's question / answer rows
-# conftest's
-SFT_RUN = ["--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300", "--num_eval_examples", "64"]
+SFT_RUN = SFT_FOLDER_RUN  # conftest's sft_folder: the run whose record the table's output folder holds
 
 
 def gsm8k_rows(bad: dict, good: int = 20) -> str:
@@ -130,7 +129,18 @@ CASES = [
     (["ppo.py", "grpo.py", "mix.py", "dpo.py"], ["--temperature", "1e-9"], "--temperature must be at least 0.01"),
     (["grpo.py", "mix.py", "ppo.py", "dpo.py"], ["--log_completions_steps", "-1"],
      "--log_completions_steps must be 0 or more"),
-    (["dpo.py"], ["--loss_type", "dpo"], "--loss_type must be one of sigmoid, ipo, simpo, not 'dpo'"),
+    (["dpo.py"], ["--loss_type", "dpo"], "--loss_type must be one of sigmoid, ipo, simpo, kto, not 'dpo'"),
+    (["dpo.py"], ["--steps_per_generation", "2"], "--steps_per_generation says how often online DPO samples new "
+     "pairs: add --online true"),
+    (["dpo.py"], ["--online", "true", "--steps_per_generation", "3", "--save_steps", "20"],
+     "--save_steps 20 must be a multiple of --steps_per_generation 3, so that a checkpoint falls where new pairs"),
+    (["dpo.py"], ["--steps_per_generation", "0"], "--steps_per_generation must be at least 1"),
+    (["dpo.py"], ["--undesirable_weight", "2"], "--undesirable_weight weighs KTO's loss: add --loss_type kto"),
+    (["dpo.py"], ["--loss_type", "kto", "--desirable_weight", "0"], "--desirable_weight must be positive"),
+    (["dpo.py"], ["--loss_type", "kto", "--online", "true", "--judge", "out/rm"],
+     "KTO needs each sample labelled desirable or undesirable, which the checker does: --judge rule"),
+    (["dpo.py"], ["--loss_type", "kto", "--per_device_train_batch_size", "1"],
+     "KTO's reference point pairs each prompt with another prompt's answer: a step needs at least 2 pairs"),
     (["dpo.py"], ["--beta", "0"], "--beta must be positive, not 0.0"),
     (["dpo.py"], ["--simpo_gamma", "-1"], "--simpo_gamma must be 0 or more"),
     (["ppo.py"], ["--target_kl", "0"], "--target_kl must be positive"),
@@ -176,7 +186,7 @@ CASES = [
     (ALL, ["--resume", "true", "--output_dir", "{tmp}/never_made"], "does not exist, so there is no run to continue"),
     (ALL, ["--output_dir", ""], "--output_dir is empty"),
     (["reward_model.py", "ppo.py", "grpo.py", "mix.py", "dpo.py"], ["--resume", "true"], "is sft.py's, not"),
-    (["sft.py"], ["--resume", "true"], "--resume continues the run as it was set, and --max_steps was 300, now 700"),
+    (["sft.py"], ["--resume", "true"], "--resume continues the run as it was set, and --max_steps was 80, now 700"),
     (["sft.py"], [*SFT_RUN, "--learning_rate", "1e-3", "--resume", "true"], "--learning_rate was 0.002, now 0.001"),
     (["sft.py"], [*SFT_RUN, "--model", "{sft}", "--resume", "true"], "was trained from --model tiny"),
     (["sft.py"], [*SFT_RUN, "--resume", "true"], "checkpoint/state.pt cannot be read"),
@@ -203,7 +213,7 @@ def write(path, text):
 
 
 @pytest.fixture(scope="module")
-def bad_data(tmp_path_factory, sft_checkpoint):
+def bad_data(tmp_path_factory, sft_folder):
     tmp = tmp_path_factory.mktemp("bad")
     folders = {"not_a_model": write(tmp / "not_a_model" / "config.json", "{not a config").removesuffix("/config.json"),
                "no_train": str((tmp / "no_train").mkdir() or tmp / "no_train"),
@@ -255,21 +265,21 @@ def bad_data(tmp_path_factory, sft_checkpoint):
                                       json.dumps({"architectures": ["LlamaForSequenceClassification"]})
                                       ).removesuffix("/config.json")
     no_template = tmp / "no_chat_template"
-    shutil.copytree(sft_checkpoint, no_template, ignore=shutil.ignore_patterns("checkpoint*", "chat_template.jinja"))
+    shutil.copytree(sft_folder, no_template, ignore=shutil.ignore_patterns("checkpoint*", "chat_template.jinja"))
     config = json.loads((no_template / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
     (no_template / "tokenizer_config.json").write_text(json.dumps(config))
     folders["no_chat_template"] = str(no_template)
     # an sft.py run's folder whose checkpoint has no run.json, and one whose replacing run stopped before a checkpoint
-    shutil.copytree(sft_checkpoint, tmp / "no_run_json",
+    shutil.copytree(sft_folder, tmp / "no_run_json",
                     ignore=shutil.ignore_patterns("run.json", "state.pt", "*.safetensors"))
     write(tmp / "no_run_json" / "checkpoint" / "state.pt", "a good state")
     folders["no_run_json"] = str(tmp / "no_run_json")
-    shutil.copytree(sft_checkpoint, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
+    shutil.copytree(sft_folder, tmp / "stopped_early", ignore=shutil.ignore_patterns("state.pt", "*.safetensors"))
     write(tmp / "stopped_early" / ".next_run" / "metrics.jsonl", '{"step": 1}\n')
     folders["stopped_early"] = str(tmp / "stopped_early")
     # an sft.py run whose --dataset held other files when it started than it holds now
-    shutil.copytree(sft_checkpoint, tmp / "changed_input", ignore=shutil.ignore_patterns("*.safetensors"))
+    shutil.copytree(sft_folder, tmp / "changed_input", ignore=shutil.ignore_patterns("*.safetensors"))
     record = json.loads((tmp / "changed_input" / "checkpoint" / "run.json").read_text())
     record["inputs"]["--dataset"] = "0" * 64
     (tmp / "changed_input" / "checkpoint" / "run.json").write_text(json.dumps(record))
@@ -284,14 +294,14 @@ def bad_data(tmp_path_factory, sft_checkpoint):
     tiny_reward_model(rotated_tok).save_pretrained(tmp / "rotated_rm")
     rotated_tok.save_pretrained(tmp / "rotated_rm")
     folders["rotated_rm"] = str(tmp / "rotated_rm")
-    shutil.copytree(sft_checkpoint, tmp / "big_tokenizer", ignore=shutil.ignore_patterns("checkpoint*"))
+    shutil.copytree(sft_folder, tmp / "big_tokenizer", ignore=shutil.ignore_patterns("checkpoint*"))
     big = transformers.AutoTokenizer.from_pretrained(tmp / "big_tokenizer")
     big.add_tokens([f"<extra_{i}>" for i in range(300 - len(big))])
     big.save_pretrained(tmp / "big_tokenizer")
     folders["big_tokenizer"] = str(tmp / "big_tokenizer")
     folders["dangling"] = str(tmp / "dangling")
     # a run folder into which a finished run was being moved when it stopped (.next_run/.complete written)
-    shutil.copytree(sft_checkpoint, tmp / "half_moved", ignore=shutil.ignore_patterns("checkpoint*"))
+    shutil.copytree(sft_folder, tmp / "half_moved", ignore=shutil.ignore_patterns("checkpoint*"))
     write(tmp / "half_moved" / ".next_run" / ".complete", json.dumps({"files": ["model.safetensors"]}))
     folders["half_moved"] = str(tmp / "half_moved")
     return folders
@@ -307,7 +317,7 @@ def snapshot(path) -> dict:
 
 
 @pytest.mark.parametrize("script, args, message", TABLE, ids=[f"{s}:{' '.join(a)[:60]}" for s, a, _ in TABLE])
-def test_bad_input_is_one_sentence_and_touches_no_output(sft_checkpoint, bad_data, tmp_path, script, args, message):
+def test_bad_input_is_one_sentence_and_touches_no_output(sft_folder, bad_data, tmp_path, script, args, message):
     """Each bad input ends in one sentence (SystemExit("error: ..."): exit status 1, no traceback),
     before anything is written: the output folder, which holds an earlier sft.py run (its run.json
     real, its weights and training state stand-ins), is byte for byte what it was."""
@@ -315,11 +325,11 @@ def test_bad_input_is_one_sentence_and_touches_no_output(sft_checkpoint, bad_dat
     write(out / "metrics.jsonl", "a good run's metrics\n")
     write(out / "model.safetensors", "a good model")
     write(out / "checkpoint" / "state.pt", "a good state")
-    shutil.copy(os.path.join(sft_checkpoint, "checkpoint", "run.json"), out / "checkpoint" / "run.json")
+    shutil.copy(os.path.join(sft_folder, "checkpoint", "run.json"), out / "checkpoint" / "run.json")
     (tmp_path / "tmp").mkdir()
-    names = {**bad_data, "out": str(out), "sft": sft_checkpoint, "tmp": str(tmp_path / "tmp")}
+    names = {**bad_data, "out": str(out), "sft": sft_folder, "tmp": str(tmp_path / "tmp")}
     args = [a.format(**names) for a in args]
-    defaults = ["--model", sft_checkpoint] if script != "sft.py" or "--lora_r" in args else []
+    defaults = ["--model", sft_folder] if script != "sft.py" or "--lora_r" in args else []
     if script == "ppo.py" and "--reward_model" not in args:
         defaults += ["--reward_model", "rule"]
     if "--resume" not in args and "--overwrite_output_dir" not in args:
@@ -794,12 +804,12 @@ def test_a_process_whose_peer_stopped_says_so_in_one_sentence(tmp_path, capsys):
 
 
 # --- inputs that change under --resume, leftovers of a kill, symbolic links, file modes ------------
-def test_resume_refuses_a_model_folder_that_changed_since_the_run_started(sft_checkpoint, tmp_path):
+def test_resume_refuses_a_model_folder_that_changed_since_the_run_started(sft_folder, tmp_path):
     """pi_ref is read again from --model at --resume: a folder rebuilt in between (here: replaced by a
     model of another shape) would mix two starts, so the run refuses it in one sentence naming it,
     before loading anything; put back, the same folder resumes."""
     model = tmp_path / "model"
-    shutil.copytree(sft_checkpoint, model, ignore=shutil.ignore_patterns("checkpoint*"))
+    shutil.copytree(sft_folder, model, ignore=shutil.ignore_patterns("checkpoint*"))
     out = str(tmp_path / "out")
     args = ["--model", str(model), "--max_steps", "3", "--save_steps", "1", "--per_device_train_batch_size", "8",
             "--eval_steps", "100", "--num_eval_examples", "8", "--output_dir", out]

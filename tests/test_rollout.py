@@ -107,7 +107,7 @@ SPEED_UPS = ([ALL_ON] + [{**ALL_ON, name: False} for name in ALL_ON]
 
 
 @pytest.mark.parametrize("speed_ups", SPEED_UPS, ids=lambda s: "+".join(k for k, on in s.items() if on) or "plain")
-def test_generate_greedy_equals_hf_generate(sft_checkpoint, speed_ups):
+def test_generate_greedy_equals_hf_generate(sft_folder, speed_ups):
     """Our rollout loop decodes exactly what transformers' generate does, greedy, with repeated and
     unique prompts of different lengths: the plain loop, and with each speed-up (the prompt cache,
     rows leaving the batch at EOS, the KV cache written in place) on or off.
@@ -115,7 +115,7 @@ def test_generate_greedy_equals_hf_generate(sft_checkpoint, speed_ups):
     float32 rounding) may break either way: a row is compared up to its first near-tie."""
     from transformers import GenerationConfig
 
-    model, tokenizer = common.load_model(sft_checkpoint)
+    model, tokenizer = common.load_model(sft_folder)
     prompts = [common.make_prompt(tokenizer, q) for q in ("12+345=", "7-80=", "123+456=", "1-999=") for _ in range(2)]
     prompts += [common.make_prompt(tokenizer, q) for q in ("5+5=", "999-1=")]
     _, _, completion_ids, completion_mask = rollout.generate(model, tokenizer, prompts, 40, greedy=True,

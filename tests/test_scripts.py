@@ -14,6 +14,7 @@ from floats import approx, forward_terms
 from conftest import ROOT, read_metrics, run, run_main, z_accuracy, z_gain
 
 
+@pytest.mark.slow
 def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "metrics.jsonl", "eval.json", "sft.png"):
         assert os.path.isfile(os.path.join(sft_checkpoint, name)), name

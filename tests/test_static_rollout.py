@@ -49,12 +49,12 @@ def assert_same_greedy_decoding(plain, static, config, min_compared=0.9):
     assert_close(static_logprobs[compared], logprobs[compared], terms=forward_terms(config))
 
 
-def test_static_cache_decodes_as_the_plain_loop(sft_checkpoint, monkeypatch):
+def test_static_cache_decodes_as_the_plain_loop(sft_folder, monkeypatch):
     """Prompts of different lengths, repeated and not, rows that stop at different steps: the static
     cache (uncaptured on the CPU) writes the plain loop's greedy tokens with its log-probs; a row
     that wrote EOS keeps its slot, and what it writes after is padding. A second call of the same
     shape reuses the first one's step (and its cache's length, rounded up to STATIC_BUCKET)."""
-    model, tokenizer = common.load_model(sft_checkpoint)
+    model, tokenizer = common.load_model(sft_folder)
     prompts = [common.make_prompt(tokenizer, q) for q in ("12+345=", "7-80=", "123+456=", "1-999=") for _ in range(2)]
     prompts += [common.make_prompt(tokenizer, q) for q in ("5+5=", "999-1=")]
     plain, static = greedy_both_ways(monkeypatch, model, tokenizer, prompts, 40)
