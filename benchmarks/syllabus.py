@@ -29,6 +29,8 @@ CONTROLS names, so the difference between the two is that one thing's effect (on
     grpo_4_iterations_3e-4_no_clip
                          grpo_4_iterations_3e-4 with the clip removed (--epsilon 1e6): what the clip
                          held back, at settings where it acts
+    dpo_iterative_10     dpo_online_rule with each sampling's pairs used for 10 steps (--steps_per_generation 10:
+                         sampled at steps 1, 11, 21, 31) instead of pairs from the current policy at every step
 
 Outputs: out/syllabus/<start or method>/<seed>/ (the runs; a finished run is read, not repeated),
 docs/syllabus.json (each run's evaluations, minutes and the metrics the pages quote: the tables and
@@ -37,6 +39,7 @@ and docs/controls.png, and the markdown tables printed.
 """
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -61,6 +64,7 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
     "dpo_online_rule": ("dpo.py", ["--online", "true", "--judge", "rule"], "sft"),
     "dpo_online_rm": ("dpo.py", ["--online", "true", "--judge", "{rm}"], "sft"),
     "rft": ("rft.py", [], "sft"),
+    "kto_online": ("dpo.py", ["--online", "true", "--loss_type", "kto"], "sft"),
     # the controls
     "rule_ppo": ("ppo.py", ["--reward_model", "rule"], "sft"),
     "dpo_offline_5e-5": ("dpo.py", ["--learning_rate", "5e-5"], "sft"),
@@ -72,6 +76,7 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
     "grpo_4_iterations_3e-4": ("grpo.py", ["--num_iterations", "4", "--learning_rate", "3e-4"], "sft"),
     "grpo_4_iterations_3e-4_no_clip": ("grpo.py", ["--num_iterations", "4", "--learning_rate", "3e-4",
                                                    "--epsilon", "1e6"], "sft"),
+    "dpo_iterative_10": ("dpo.py", ["--online", "true", "--judge", "rule", "--steps_per_generation", "10"], "sft"),
 }
 CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "rule_ppo": ("rm_ppo", "the reward: the checker instead of the reward model"),
@@ -82,11 +87,12 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "grpo_perfect_teacher": ("grpo", "the SFT data: a perfect teacher's demonstrations"),
     "grpo_4_iterations_3e-4": ("grpo_4_iterations", "the learning rate: 3e-4 instead of 5e-5"),
     "grpo_4_iterations_3e-4_no_clip": ("grpo_4_iterations_3e-4", "no clip (--epsilon 1e6) instead of 0.2"),
+    "dpo_iterative_10": ("dpo_online_rule", "the pairs of 10 steps sampled at once, every 10 steps (iterative DPO)"),
 }
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
-                            "tab:red", "tab:pink", "tab:cyan", "tab:purple", "tab:brown", "darkgreen", "navy",
-                            "tab:gray", "gold", "black", "magenta"]))  # one colour a method, in every panel
+                            "tab:red", "tab:pink", "tab:cyan", "darkorange", "tab:purple", "tab:brown", "darkgreen",
+                            "navy", "tab:gray", "gold", "black", "magenta", "teal"]))  # a colour a method, every panel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +211,8 @@ def summary(folder: str, folders: dict, stats: dict | None) -> dict:
               for key in ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "score", "accuracy")
               if key in train_rows[-1]}
     kept = ("learning_rate", "beta", "kl_coef", "num_iterations", "num_ppo_epochs", "num_mini_batches", "epsilon",
-            "per_device_train_batch_size", "num_generations", "mu", "online", "judge", "dataset", "reward_model")
+            "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "mu",
+            "expert_data_ratio", "online", "judge", "loss_type", "steps_per_generation", "dataset", "reward_model")
     summary = {"settings": {k: settings.get(k) for k in kept if k in settings},
                "evals": [{"step": row["step"], "sampled": 100 * row["eval/accuracy_sampled"],
                           "greedy": 100 * row["eval/accuracy_greedy"], "minutes": row["time/elapsed"] / 60}
@@ -248,15 +255,32 @@ def given(run: dict) -> str:
     return f"lr {s['learning_rate'] or ('5e-05' if s.get('online') else '5e-06')}, {kl}{updates}{clip}"
 
 
+def answers(run: dict) -> str:
+    """What a method learned from at each step: its answers, sampled from the policy or read from a dataset."""
+    s = run["settings"]
+    rows = s["per_device_train_batch_size"] * s.get("gradient_accumulation_steps", 1)
+    if "online" in s:  # dpo.py: a row is a pair
+        if not s["online"]:
+            return f"{rows} pairs of {'its own samples' if 'own_pairs' in s['dataset'] else 'the shipped data'}"
+        k = s.get("steps_per_generation", 1)
+        return f"{2 * rows} sampled ({rows} prompts x 2)" + (f", every {k} steps" if k > 1 else "")
+    if "kl_coef" in s:  # ppo.py
+        return f"{rows} sampled (1 a prompt)"
+    expert = math.ceil(rows * s["expert_data_ratio"]) if "mu" in s else 0  # mix.py's expert rows
+    G = s["num_generations"]
+    return f"{rows - expert} sampled ({(rows - expert) // G} prompts x {G})" + (
+        f" + {expert} expert answers" if expert else "")
+
+
 def table(results: dict) -> str:
     """The side-by-side table: mean (range over seeds)."""
-    lines = [f"| method | lr, KL weight | minutes on one core (+ reward model) | step 0 | step {STEPS} | "
-             f"gain (points) | greedy at {STEPS} |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| method | answers a step ({STEPS} steps) | lr, KL weight | minutes on one core (+ reward model) | "
+             f"step 0 | step {STEPS} | gain (points) | greedy at {STEPS} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, runs in results.items():
         minutes = statistics.fmean(run["cost"]["cpu_minutes"] for run in runs)
         rm = f" (+{statistics.fmean(r['rm_cost']['cpu_minutes'] for r in runs):.1f})" if "rm_cost" in runs[0] else ""
-        lines.append(f"| {method} | {given(runs[0])} | {minutes:.1f}{rm} | "
+        lines.append(f"| {method} | {answers(runs[0])} | {given(runs[0])} | {minutes:.1f}{rm} | "
                      f"{spread([run['evals'][0]['sampled'] for run in runs])} | "
                      f"{spread([run['evals'][-1]['sampled'] for run in runs])} | {spread(gains(runs))} | "
                      f"{spread([run['evals'][-1]['greedy'] for run in runs])} |")

@@ -104,6 +104,38 @@ def test_dpo_pages_tables_are_the_committed_syllabus_runs():
     assert syllabus.controls_table(saved["results"]) in page
 
 
+def test_dpo_page_quotes_the_kto_and_iterative_dpo_rows():
+    """docs/dpo.md's bullets on online KTO and iterative DPO quote docs/syllabus.json: the gains, per seed
+    against online DPO, the ties KTO learns from, the minutes."""
+    syllabus = load_benchmark("syllabus")
+    results = json.loads(read("docs", "syllabus.json"))["results"]
+    page = " ".join(read("docs", "dpo.md").split())
+
+    def gain(method):
+        return statistics.fmean(syllabus.gains(results[method]))
+
+    def minutes(method):
+        return f"{statistics.fmean(run['cost']['cpu_minutes'] for run in results[method]):.1f}"
+
+    def per_seed(method):  # its gain minus online DPO's, seed by seed: "a, b and c"
+        online = syllabus.gains(results["dpo_online_rule"])
+        d = [f"{a - b:+.1f}" for a, b in zip(syllabus.gains(results[method]), online)]
+        return f"{d[0]}, {d[1]} and {d[2]}"
+
+    kto = syllabus.gains(results["kto_online"])
+    assert (f"{gain('kto_online'):.1f} points ({min(kto):.1f} to {max(kto):.1f}) against "
+            f"{gain('dpo_online_rule'):.1f}, per seed {per_seed('kto_online')}") in page
+    assert all(a > b for a, b in zip(kto, syllabus.gains(results["dpo_online_rule"])))  # "on every seed"
+    ties = [100 * run["means"]["online/ties"] for run in results["kto_online"]]
+    assert f"{min(ties):.0f}% to {max(ties):.0f}% of the pairs it sampled were ties" in page
+    assert f"It costs more, {minutes('kto_online')} minutes against {minutes('dpo_online_rule')}" in page
+    assert (f"it gained {gain('dpo_iterative_10'):.1f} points against online DPO's {gain('dpo_online_rule'):.1f} "
+            f"(per seed {per_seed('dpo_iterative_10')})") in page
+    assert f"it took {minutes('dpo_iterative_10')} minutes against {minutes('dpo_online_rule')}" in page
+    uses = [40 * 64 / run["own_pairs"]["pairs"] for run in results["dpo_own_pairs"]]
+    assert all(1.5 < u < 2.5 for u in uses) and "each pair used about twice" in page
+
+
 def smollm2_evals(name: str, stage: str = "grpo") -> list[dict]:
     """The evaluation rows of a committed SmolLM2 run, docs/smollm2_runs/<name>/<stage>/metrics.jsonl."""
     with open(os.path.join(ROOT, "docs", "smollm2_runs", name, stage, "metrics.jsonl"), encoding="utf-8") as f:
