@@ -114,7 +114,7 @@ def powers_of_two(n: int) -> list[int]:
 # Sampling and judging
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answers, cfg, device):
+def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answers, cfg):
     """The n samples of each problem: (gold [P, n] 1.0 or 0.0 by the checker, proxy [P, n] the judge's
     scores: the checker's own with --judge rule). A judge with a tokenizer of its own reads the
     samples as text (reward_model.tokenize_samples)."""
@@ -134,11 +134,9 @@ def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answer
         if judge is None:
             scores = right
         else:
-            ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
-            if judge_tokenizer is not None:  # the judge's own tokens for the same text
-                ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)
-                ids, mask = (x.to(device) for x in reward_model.tokenize_samples(
-                    judge_tokenizer, repeated, texts, ended, cfg.system_prompt))
+            ids, mask = reward_model.judge_rows(  # the policy's rows, or the same text in the judge's own ids
+                judge_tokenizer, tokenizer, repeated, texts, torch.cat([prompt_ids, completion_ids], 1),
+                torch.cat([prompt_mask, completion_mask], 1), completion_ids.shape[1], cfg.system_prompt)
             scores = reward_model.sequence_scores(judge, ids, mask).float().cpu()
             common.check_finite_scores(scores, f"--judge {cfg.judge}")
         gold.append(right.view(-1, cfg.num_samples))
@@ -227,7 +225,7 @@ def main(cfg: Config):
     model.to(device).eval()
 
     gold, proxy = sample_and_judge(model, tokenizer, judge, judge_tokenizer, list(test["question"]),
-                                   list(test["answer"]), cfg, device)
+                                   list(test["answer"]), cfg)
     results = {**summarise(gold, proxy), "model": cfg.model, "judge": cfg.judge, "temperature": cfg.temperature}
 
     os.makedirs(out, exist_ok=True)

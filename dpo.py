@@ -289,11 +289,9 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
     samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     answers = [a for a in step_data["answer"] for _ in range(2)]
     correct = rule_judge(samples, answers)  # [2B] 1 or 0: the samples' accuracy, and the rule judge
-    judge_ids, judge_mask = input_ids, attention_mask  # [2B, P+T]: what the judge reads, in the policy's ids
-    if judge_tokenizer is not None:  # ... or in its own: the same text, tokenized by the judge's tokenizer
-        ended = ((completion_ids == tokenizer.eos_token_id) & completion_mask.bool()).any(dim=1)  # [2B]
-        judge_ids, judge_mask = (x.to(input_ids.device) for x in reward_model.tokenize_samples(
-            judge_tokenizer, [q for q in step_data["question"] for _ in range(2)], samples, ended, cfg.system_prompt))
+    judge_ids, judge_mask = reward_model.judge_rows(  # [2B, P+T]: the policy's rows, or the text in the judge's ids
+        judge_tokenizer, tokenizer, [q for q in step_data["question"] for _ in range(2)], samples, input_ids,
+        attention_mask, completion_ids.shape[1], cfg.system_prompt)
     scores = (correct if judge_model is None else  # [2B]
               reward_model_judge(judge_model, judge_ids, judge_mask, cfg.per_device_train_batch_size))
     common.check_finite_scores(scores, f"--judge {cfg.judge}")

@@ -141,6 +141,19 @@ def tokenize_samples(tokenizer, questions: list[str], completions: list[str], en
     return torch.cat([prompt_ids, response_ids], 1), torch.cat([prompt_mask, response_mask], 1)
 
 
+def judge_rows(judge_tokenizer, tokenizer, questions: list[str], completions: list[str], input_ids, attention_mask,
+               T: int, system_prompt: str):
+    """What a judge scores of the policy's samples input_ids, attention_mask [N, P+T] (T: the width of
+    the completions, completions [N] their text, questions [N] the question of each row): the rows as
+    they are when it shares the policy's tokenizer (judge_tokenizer None), else the same text in its
+    own ids and chat template (tokenize_samples), with its EOS where the policy's sample ended."""
+    if judge_tokenizer is None:
+        return input_ids, attention_mask
+    ended = ((input_ids[:, -T:] == tokenizer.eos_token_id) & attention_mask[:, -T:].bool()).any(dim=1)  # [N]
+    ids, mask = tokenize_samples(judge_tokenizer, questions, completions, ended.cpu(), system_prompt)
+    return ids.to(input_ids.device), mask.to(input_ids.device)
+
+
 def collate(pairs, pad_id: int):
     """2M sequences (M pairs), the M chosen then the M rejected, as [left-padded prompt | right-padded response].
 

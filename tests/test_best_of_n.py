@@ -7,10 +7,11 @@ import os
 import random
 
 import pytest
+import torch
 
 import best_of_n
 import common
-from conftest import run_main
+from conftest import rotated_reward_model, rotated_tokenizer, run_main, tiny_reward_model
 
 
 def test_pass_at_k_by_hand_and_by_its_definition():
@@ -49,6 +50,25 @@ def test_best_of_n_kl_values():
 
 
 @pytest.mark.slow
+def test_a_judge_with_its_own_tokenizer_scores_the_samples_as_the_same_judge_with_the_policys():
+    """best_of_n's samples, scored by a judge whose tokenizer gives other ids for the same text (our byte
+    tokenizer rotated by 7, its embedding rows rotated with it), get the same scores to the bit as the
+    same judge with the policy's tokenizer, both reading the samples' text re-tokenized in their own ids
+    (reward_model.judge_rows)."""
+    tokenizer, rotated_tok = common.build_tokenizer(), rotated_tokenizer()
+    judge = tiny_reward_model(tokenizer).eval()
+    policy = common.build_tiny_model(tokenizer).eval()
+    cfg = common.parse_config(best_of_n.Config, ["--num_samples", "4", "--max_completion_length", "12",
+                                                 "--judge", "out/rm"])
+    results = []
+    for judge_model, judge_tokenizer in ((judge, tokenizer), (rotated_reward_model(judge).eval(), rotated_tok)):
+        torch.manual_seed(0)
+        results.append(best_of_n.sample_and_judge(policy, tokenizer, judge_model, judge_tokenizer,
+                                                  ["What is 2 + 3?", "What is 7 - 9?"], ["#### 5", "#### -2"], cfg))
+    (gold_a, proxy_a), (gold_b, proxy_b) = results
+    assert torch.equal(gold_a, gold_b) and torch.equal(proxy_a, proxy_b) and proxy_a.shape == (2, 4)
+
+
 def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
     """8 samples of 16 problems: pass@1 is the share of right samples, pass@k never falls with k, best of N
     by the checker is pass@N, and the outputs are written."""
