@@ -91,7 +91,7 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
 }
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
-                            "tab:red", "tab:pink", "tab:cyan", "darkorange", "tab:purple", "tab:brown", "darkgreen",
+                            "tab:red", "tab:pink", "tab:cyan", "darkviolet", "tab:purple", "tab:brown", "darkgreen",
                             "navy", "tab:gray", "gold", "black", "magenta", "teal"]))  # a colour a method, every panel
 
 
