@@ -464,7 +464,7 @@ def main(cfg: Config):
             micro_loss.backward()  # gradients add up over the micro-batches
             loss = loss + micro_loss.detach()
             logps[rows.cpu()], rewards[rows.cpu()] = micro_logps.detach().cpu(), micro_rewards.detach().cpu()
-            entropy[rows.cpu()] = sequence_logprobs(micro_entropy, answer_mask[rows]).cpu()  # summed over tokens
+            entropy[rows.cpu()] = torch.where(answer_mask[rows].bool(), micro_entropy, 0.0).sum(1).cpu()  # a row's sum
 
         # 4. The update.
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
