@@ -338,11 +338,16 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_unbroken_result(sft_che
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint, tmp_path):
+@pytest.mark.parametrize("loss_type", ["sigmoid", "kto"])
+def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint, tmp_path, loss_type):
+    """Online DPO, and online KTO (whose reference point z0 sums over both processes' rows: a collective
+    each must join, or the run hangs), run under torchrun and end with the same weights on both."""
     from test_scale import HELPERS, torchrun
 
     out = str(tmp_path / "dpo")
     result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "dpo", "--model", sft_checkpoint, "--online",
-                      "true", "--max_steps", "2", "--output_dir", out, *SHORT)
+                      "true", "--loss_type", loss_type, "--max_steps", "2", "--output_dir", out, *SHORT)
     assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
-    assert len([row for row in read_metrics(out) if "loss" in row]) == 2  # rank 0 alone wrote them
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 2  # rank 0 alone wrote them
+    assert loss_type != "kto" or (rows[0]["kto/z0"] == 0.0 and rows[0]["loss"] == approx(0.5, terms=16))
