@@ -280,31 +280,6 @@ def test_online_kto_starts_at_half_and_learns_from_the_checkers_labels(sft_check
 
 
 @pytest.mark.slow
-def test_iterative_dpo_samples_once_every_k_steps_and_resumes_there(sft_checkpoint, tmp_path, monkeypatch):
-    """--steps_per_generation 2: the policy samples at steps 1 and 3 only (no time/generation at 2 and 4),
-    and a crash after the step-2 checkpoint, resumed, ends as the unbroken run."""
-    args = ["--model", sft_checkpoint, "--online", "true", "--steps_per_generation", "2", "--max_steps", "4",
-            "--save_steps", "2", "--eval_steps", "2", *SHORT]
-    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    run_main("dpo.py", *args, "--output_dir", whole)
-    rows = [row for row in read_metrics(whole) if "loss" in row]
-    assert ["time/generation" in row for row in rows] == [True, False, True, False]
-    save = harness.save_training_state
-
-    def crash_after_step_2(run_dir, cfg, step, *rest, **kwargs):
-        save(run_dir, cfg, step, *rest, **kwargs)
-        if step == 2:
-            raise RuntimeError("crashed after the checkpoint")
-
-    monkeypatch.setattr(harness, "save_training_state", crash_after_step_2)
-    with pytest.raises(RuntimeError, match="crashed"):
-        dpo.main(dpo.common.parse_config(dpo.Config, [*args, "--output_dir", broken]))
-    monkeypatch.undo()
-    assert "resumed from" in run_main("dpo.py", *args, "--output_dir", broken, "--resume", "true").stdout
-    assert_same_run(whole, broken)
-
-
-@pytest.mark.slow
 def test_lora_run_saves_an_adapter_and_its_reference_is_the_adapter_switched_off(sft_checkpoint, tmp_path):
     """With LoRA, pi_ref is the policy with its adapter off: B = 0 at the start, so the first loss is log 2."""
     out = str(tmp_path / "lora")
@@ -317,11 +292,19 @@ def test_lora_run_saves_an_adapter_and_its_reference_is_the_adapter_switched_off
 
 
 @pytest.mark.slow
-def test_a_run_stopped_after_a_checkpoint_resumes_to_the_unbroken_result(sft_checkpoint, tmp_path, monkeypatch):
-    """A crash right after the step-2 checkpoint, then --resume: the same metrics and weights as an unbroken run."""
-    args = ["--model", sft_checkpoint, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2", *SHORT]
+@pytest.mark.parametrize("iterative", [False, True], ids=["offline", "iterative"])
+def test_a_run_stopped_after_a_checkpoint_resumes_to_the_unbroken_result(sft_checkpoint, tmp_path, monkeypatch,
+                                                                          iterative):
+    """A crash right after the step-2 checkpoint, then --resume: the same metrics and weights as an unbroken run.
+    Offline DPO, and iterative DPO with --steps_per_generation 2, which samples at steps 1 and 3 only (no
+    time/generation at 2 and 4): its resume starts a round of sampling."""
+    extra = ["--online", "true", "--steps_per_generation", "2"] if iterative else []
+    args = ["--model", sft_checkpoint, "--max_steps", "4", "--save_steps", "2", "--eval_steps", "2", *extra, *SHORT]
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
     run_main("dpo.py", *args, "--output_dir", whole)
+    if iterative:
+        rows = [row for row in read_metrics(whole) if "loss" in row]
+        assert ["time/generation" in row for row in rows] == [True, False, True, False]
     save = harness.save_training_state
 
     def crash_after_step_2(run_dir, cfg, step, *rest, **kwargs):
