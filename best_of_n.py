@@ -22,8 +22,8 @@ model written by reward_model.py), then read three things off the same samples:
     python best_of_n.py --model out/sft --judge out/rm            # best-of-N by the reward model: gold vs proxy
     python best_of_n.py --model out/sft --num_samples 16 --num_eval_examples 100   # a quick look
 
-Writes eval.json (pass@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N) and
-best_of_n.png to --output_dir. Nothing is trained.
+Writes eval.json (pass@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N; each
+problem's count of right answers) and best_of_n.png to --output_dir. Nothing is trained.
 
 Left out, and why: best-of-N as a training target (rejection sampling fine-tuning trains on the
 kept answers; BoN distillation), a judge other than a reward model (an LLM as judge), several
@@ -147,7 +147,8 @@ def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answer
 
 
 def summarise(gold: torch.Tensor, proxy: torch.Tensor) -> dict:
-    """The means over problems of pass@k and of best-of-N's gold, proxy and KL, for k, N = 1, 2, 4, ..., n."""
+    """The means over problems of pass@k and of best-of-N's gold, proxy and KL, for k, N = 1, 2, 4, ..., n;
+    and c, the right answers of each problem (which problems a model never solves, and which it always does)."""
     n = gold.shape[1]
     right = gold.sum(dim=1).long().tolist()  # c of each problem
     gold_rows, proxy_rows = gold.tolist(), proxy.tolist()
@@ -157,7 +158,7 @@ def summarise(gold: torch.Tensor, proxy: torch.Tensor) -> dict:
         "best_of_n": {str(N): {"gold": mean([best_of_n_expectation(g, p, N) for g, p in zip(gold_rows, proxy_rows)]),
                                "proxy": mean([best_of_n_expectation(p, p, N) for p in proxy_rows]),
                                "kl": best_of_n_kl(N)} for N in powers_of_two(n)},
-        "n": len(right), "num_samples": n}
+        "n": len(right), "num_samples": n, "right_per_problem": right}
 
 
 def plot(results: dict, path: str, title: str):

@@ -229,6 +229,23 @@ def mismatched_rows(input_ids, attention_mask, T: int):
     return rolled[0], rolled[1]
 
 
+def reference_pass(model, ref_model, input_ids, attention_mask, T: int, temperature: float, micro_batches,
+                   loss_type: str):
+    """Step 2, without gradient: log pi_ref(y|x) of each row [2B] (None for SimPO, which has no
+    reference), and KTO's z0 (kto_reference_point: pi against pi_ref on the mismatched rows; None for the
+    other losses)."""
+    if loss_type == "simpo":
+        return None, None
+    with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
+        ref_logps = answer_logps(reference, input_ids, attention_mask, T, temperature, micro_batches)  # [2B]
+        if loss_type != "kto":
+            return ref_logps, None
+        mismatched = mismatched_rows(input_ids, attention_mask, T)  # each prompt with another prompt's answer
+        ref_mismatched_logps = answer_logps(reference, *mismatched, T, temperature, micro_batches)  # [2B]
+    z0 = kto_reference_point(answer_logps(model, *mismatched, T, temperature, micro_batches), ref_mismatched_logps)
+    return ref_logps, z0
+
+
 def pair_losses(cfg, logps, ref_logps, lengths, desirable=None, z0=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss of --loss_type for each pair [b] (KTO: each answer [2b]), and each row's reward [2b] for
     the metrics (DPO, IPO, KTO: the implicit reward; SimPO: beta times the mean log-prob per token, as
@@ -395,8 +412,8 @@ def main(cfg: Config):
         if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
             judge_tokenizer = None
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
-    needs_reference = cfg.loss_type != "simpo"
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if needs_reference and cfg.lora_r is None else None
+    needs_copy = cfg.loss_type != "simpo" and cfg.lora_r is None  # SimPO has no reference; LoRA's is its base
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if needs_copy else None
     run.shard(model, ref_model, judge_model)  # --fsdp: each process keeps 1/N of each model
     run.log_memory([model], [ref_model, judge_model], rows=2 * cfg.per_device_train_batch_size,
                    sequence_length=longest + cfg.max_completion_length if cfg.online else longest_pair,
@@ -436,17 +453,9 @@ def main(cfg: Config):
                          for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
         step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
 
-        # 2. The reference's log-probs, log pi_ref(y|x) per row (no gradient); KTO's reference point z0.
-        ref_logps = z0 = None  # [2B]; SimPO needs none
-        mismatched = mismatched_rows(input_ids, attention_mask, T) if cfg.loss_type == "kto" else None  # KTO's z0
-        if needs_reference:
-            with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
-                ref_logps = answer_logps(reference, input_ids, attention_mask, T, temperature, micro_batches)
-                if mismatched is not None:  # each prompt with another prompt's answer [2B, P+T]
-                    ref_mismatched_logps = answer_logps(reference, *mismatched, T, temperature, micro_batches)
-        if mismatched is not None:
-            z0 = kto_reference_point(answer_logps(model, *mismatched, T, temperature, micro_batches),
-                                     ref_mismatched_logps)
+        # 2. The reference's log-probs, log pi_ref(y|x) per row [2B] (no gradient); KTO's reference point z0.
+        ref_logps, z0 = reference_pass(model, ref_model, input_ids, attention_mask, T, temperature, micro_batches,
+                                       cfg.loss_type)
 
         # 3. The policy's log-probs, the loss of each pair (KTO: answer), its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)
@@ -457,7 +466,7 @@ def main(cfg: Config):
                 model, input_ids[rows], attention_mask[rows], T, temperature, with_entropy=True)  # [2b, T] each
             micro_logps = sequence_logprobs(micro_logprobs, answer_mask[rows])  # [2b]
             micro_losses, micro_rewards = pair_losses(  # [b] (KTO: [2b]), [2b]
-                cfg, micro_logps, ref_logps[rows] if needs_reference else None, lengths[rows],
+                cfg, micro_logps, ref_logps[rows] if ref_logps is not None else None, lengths[rows],
                 desirable[rows.cpu()].to(run.device) if cfg.loss_type == "kto" else None, z0)
             counted = weights[rows] if cfg.loss_type == "kto" else weights[rows[: len(rows) // 2]]  # answers, pairs
             micro_loss = (micro_losses * counted).sum() / step_count

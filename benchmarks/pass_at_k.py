@@ -80,15 +80,20 @@ def band(ax, xs, runs: list[list[float]], label: str, color: str, marker: str = 
     ax.fill_between(xs, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2, linewidth=0)
 
 
-def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
-    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.6))
+def pass_at_k_panel(ax, results: dict, labels: dict):
+    """pass@k of the SFT model against the GRPO model, k = 1..n: mean over seeds and their range."""
     ks = [int(k) for k in results["sft"][0]["pass@k"]]
     for model, color in (("sft", "tab:blue"), ("grpo", "tab:orange")):
-        band(left, ks, [[100 * v for v in run["pass@k"].values()] for run in results[model]], MODELS[model], color)
-    left.set(xscale="log", xlabel="k: answers sampled per problem", ylabel="pass@k: at least one right (%)",
-             title="pass@k, SFT against GRPO")
-    left.set_xticks(ks, [str(k) for k in ks])
-    left.legend(fontsize=8)
+        band(ax, ks, [[100 * v for v in run["pass@k"].values()] for run in results[model]], labels[model], color)
+    ax.set(xscale="log", xlabel="k: answers sampled per problem", ylabel="pass@k: at least one right (%)",
+           title="pass@k, SFT against GRPO")
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.legend(fontsize=8)
+
+
+def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
+    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.6))
+    pass_at_k_panel(left, results, MODELS)
     sft = results["sft"]
     kl = [row["kl"] for row in sft[0]["best_of_n"].values()]
     band(right, kl, [[100 * v for v in run["pass@k"].values()] for run in sft],
@@ -126,17 +131,26 @@ def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
     plt.close(fig)
 
 
-def table(results: dict) -> str:
-    """pass@k of each model, and best-of-N of the SFT model: mean (range over seeds), in %."""
-    def cell(values):
-        values = [100 * v for v in values]
-        return f"{statistics.fmean(values):.1f} ({min(values):.1f} to {max(values):.1f})"
+def cell(values: list[float]) -> str:
+    """Shares as '%' mean (range over seeds)."""
+    values = [100 * v for v in values]
+    return f"{statistics.fmean(values):.1f} ({min(values):.1f} to {max(values):.1f})"
 
+
+def pass_at_k_rows(results: dict, first: str) -> list[str]:
+    """A markdown table's head and one pass@k row per model: mean (range over seeds), in %."""
     ks = list(results["sft"][0]["pass@k"])
-    lines = ["| k or N | " + " | ".join(ks) + " |", "| --- |" + " --- |" * len(ks)]
+    lines = [f"| {first} | " + " | ".join(ks) + " |", "| --- |" + " --- |" * len(ks)]
     for model in MODELS:
         lines.append(f"| pass@k, {model} | " + " | ".join(cell([run["pass@k"][k] for run in results[model]])
                                                          for k in ks) + " |")
+    return lines
+
+
+def table(results: dict) -> str:
+    """pass@k of each model, and best-of-N of the SFT model: mean (range over seeds), in %."""
+    ks = list(results["sft"][0]["pass@k"])
+    lines = pass_at_k_rows(results, "k or N")
     sft = results["sft"]
     lines.append("| SFT best-of-N by the reward model, right | " + " | ".join(
         cell([run["best_of_n"][k]["gold"] for run in sft]) for k in ks) + " |")
@@ -145,6 +159,66 @@ def table(results: dict) -> str:
     lines.append("| KL(best-of-N \\|\\| SFT), nats | " + " | ".join(
         f"{sft[0]['best_of_n'][k]['kl']:.2f}" for k in ks) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct: benchmarks/smollm2_pass_at_k.sh's runs, committed under docs/smollm2_runs/
+# ---------------------------------------------------------------------------------------------
+SMOLLM2 = {"sft": "SFT, 120 steps", "grpo": "GRPO, 30 steps from it"}
+
+
+def smollm2_results(docs: str) -> dict:
+    """Each seed's two evaluations, docs/smollm2_runs/pass-at-k-seed<s>/{sft,grpo}/pass_at_k.json."""
+    runs = os.path.join(ROOT, docs, "smollm2_runs")
+    seeds = sorted(int(name.removeprefix("pass-at-k-seed")) for name in os.listdir(runs)
+                   if name.startswith("pass-at-k-seed"))
+    results = {"seeds": seeds}
+    for model in SMOLLM2:
+        results[model] = []
+        for seed in seeds:
+            with open(os.path.join(runs, f"pass-at-k-seed{seed}", model, "pass_at_k.json")) as f:
+                results[model].append(json.load(f))
+    return results
+
+
+def problems(sft: dict, grpo: dict) -> dict:
+    """Of the problems, how many no sample of a model got right, and how many only one model's samples did."""
+    pairs = list(zip(sft["right_per_problem"], grpo["right_per_problem"]))
+    return {"none right, sft": sum(a == 0 for a, _ in pairs), "none right, grpo": sum(b == 0 for _, b in pairs),
+            "right only in grpo's samples": sum(a == 0 < b for a, b in pairs),
+            "right only in sft's samples": sum(b == 0 < a for a, b in pairs)}
+
+
+def smollm2_table(results: dict) -> str:
+    """pass@k of both models (mean and range over seeds, %), then each seed's count of problems no sample
+    solved, and solved in one model's samples only."""
+    lines = pass_at_k_rows(results, "k")
+    counts = [problems(s, g) for s, g in zip(results["sft"], results["grpo"])]
+    lines += ["", f"| problems (of {results['sft'][0]['n']}), on seeds {', '.join(map(str, results['seeds']))} | "
+              + " | ".join(counts[0]) + " |", "| --- |" + " --- |" * len(counts[0]),
+              "| count | " + " | ".join(", ".join(str(c[key]) for c in counts) for key in counts[0]) + " |"]
+    return "\n".join(lines)
+
+
+def smollm2_figure(results: dict, path: str):
+    """Left: pass@k, SFT against GRPO. Right: each problem's right answers of 64, SFT's against GRPO's."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
+    pass_at_k_panel(left, results, SMOLLM2)
+    n = results["sft"][0]["num_samples"]
+    for i, (seed, sft, grpo) in enumerate(zip(results["seeds"], results["sft"], results["grpo"])):
+        right.scatter(sft["right_per_problem"], grpo["right_per_problem"], s=14, alpha=0.5,
+                      marker="os^"[i % 3], label=f"seed {seed}")
+    right.plot([0, n], [0, n], color="gray", linewidth=0.8, linestyle="--")
+    right.set(xlabel=f"SFT model: right answers of {n}", ylabel=f"GRPO model: right answers of {n}",
+              title="each problem (above the line: GRPO right more often)")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"SmolLM2-135M-Instruct: {n} samples at temperature 1 of each of {results['sft'][0]['n']} held-out "
+                 f"problems (benchmarks/smollm2_pass_at_k.sh, {len(results['seeds'])} seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
@@ -156,7 +230,14 @@ def main():
     parser.add_argument("--num_eval_examples", type=int, default=200)
     parser.add_argument("--docs", default="docs")
     parser.add_argument("--report", action="store_true", help="evaluate nothing: figure and table from the json")
+    parser.add_argument("--smollm2", action="store_true", help="evaluate nothing: the figure and table of "
+                        "benchmarks/smollm2_pass_at_k.sh's runs (docs/smollm2_runs/pass-at-k-seed*)")
     args = parser.parse_args()
+    if args.smollm2:
+        results = smollm2_results(args.docs)
+        smollm2_figure(results, os.path.join(ROOT, args.docs, "smollm2_pass_at_k.png"))
+        print(smollm2_table(results))
+        return
     path = os.path.join(ROOT, args.docs, "best_of_n.json")
     if args.report:
         with open(path) as f:

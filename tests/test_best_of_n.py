@@ -80,6 +80,10 @@ def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
     assert os.path.isfile(os.path.join(out, "best_of_n.png")) and result["n"] == 16
     passes = [result["pass@k"][k] for k in ("1", "2", "4", "8")]
     assert passes == sorted(passes) and 0 < passes[0] < passes[-1] <= 1
+    right = result["right_per_problem"]  # c of each problem: pass@1 is their mean over n, pass@n the share above 0
+    assert len(right) == 16 and all(0 <= c <= 8 for c in right)
+    assert passes[0] == pytest.approx(sum(right) / (16 * 8), abs=1e-12)
+    assert passes[-1] == pytest.approx(sum(c > 0 for c in right) / 16, abs=1e-12)
     for N, row in result["best_of_n"].items():
         assert row["gold"] == pytest.approx(result["pass@k"][N], abs=1e-12) == row["proxy"]
         assert row["kl"] == best_of_n.best_of_n_kl(int(N))

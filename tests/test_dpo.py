@@ -135,6 +135,18 @@ def test_kto_reference_point_is_a_mean_at_least_zero_without_gradient():
     assert z0.item() == 0.0 and not z0.requires_grad
 
 
+def test_kto_reference_point_under_torchrun_is_the_mean_over_every_process(monkeypatch):
+    """Under torchrun z0 is the mean log-ratio of every process's mismatched rows, not of this process's:
+    common.global_sum adds the other process's sum (6 over 3 rows) to this one's (-3 over 3 rows). Alone,
+    this process's mean is -1 and its z0 would be 0; over both, (-3 + 6) / 6 = 0.5."""
+    logps, ref_logps = torch.tensor([-3.0, -2.0, -4.0]), torch.tensor([-2.0, -2.0, -2.0])  # log-ratios -1, 0, -2
+    assert dpo.kto_reference_point(logps, ref_logps).item() == 0.0  # one process
+    other_process = {"sum": torch.tensor(6.0), "count": 3}  # log-ratios 3, 1, 2
+    monkeypatch.setattr(common, "global_sum",
+                        lambda x: x + other_process["count" if isinstance(x, int) else "sum"])
+    assert dpo.kto_reference_point(logps, ref_logps).item() == 0.5  # exact: small integers and a power of two
+
+
 def test_mismatched_rows_give_each_prompt_the_answer_of_the_row_before():
     """[left-padded prompt | right-padded answer] rows, 2 pairs laid out as dpo.py lays them (rows 0, 1 the
     chosen answers of prompts a, b; rows 2, 3 their rejected): each row keeps its prompt and takes the answer
