@@ -12,6 +12,12 @@ dpo_online_rm runs) at their evaluations (along_training).
     python benchmarks/syllabus.py --methods grpo        # the models (a finished run is read, not repeated)
     python benchmarks/pass_at_k.py                      # the evaluations, docs/best_of_n.json and .png
     python benchmarks/pass_at_k.py --report             # the figure and table from docs/best_of_n.json
+
+With --smollm2 it evaluates nothing either: it reads the runs of benchmarks/smollm2_pass_at_k.sh
+(SmolLM2-135M-Instruct, SFT for 120 steps, then GRPO; 64 samples of each of 64 held-out problems from
+both), committed under docs/smollm2_runs/pass-at-k-seed*/, and prints pass@k of both models, the
+problems only one of them solved, and both by kind of problem (benchmarks/by_kind.py); its figure is
+docs/smollm2_pass_at_k.png.
 """
 import argparse
 import json
@@ -184,9 +190,10 @@ def smollm2_results(docs: str) -> dict:
 def problems(sft: dict, grpo: dict) -> dict:
     """Of the problems, how many no sample of a model got right, and how many only one model's samples did."""
     pairs = list(zip(sft["right_per_problem"], grpo["right_per_problem"]))
-    return {"none right, sft": sum(a == 0 for a, _ in pairs), "none right, grpo": sum(b == 0 for _, b in pairs),
-            "right only in grpo's samples": sum(a == 0 < b for a, b in pairs),
-            "right only in sft's samples": sum(b == 0 < a for a, b in pairs)}
+    return {"no answer right: SFT": sum(a == 0 for a, _ in pairs),
+            "no answer right: GRPO": sum(b == 0 for _, b in pairs),
+            "right only in GRPO's answers": sum(a == 0 < b for a, b in pairs),
+            "right only in SFT's answers": sum(b == 0 < a for a, b in pairs)}
 
 
 def smollm2_table(results: dict) -> str:
@@ -194,9 +201,36 @@ def smollm2_table(results: dict) -> str:
     solved, and solved in one model's samples only."""
     lines = pass_at_k_rows(results, "k")
     counts = [problems(s, g) for s, g in zip(results["sft"], results["grpo"])]
-    lines += ["", f"| problems (of {results['sft'][0]['n']}), on seeds {', '.join(map(str, results['seeds']))} | "
-              + " | ".join(counts[0]) + " |", "| --- |" + " --- |" * len(counts[0]),
-              "| count | " + " | ".join(", ".join(str(c[key]) for c in counts) for key in counts[0]) + " |"]
+    lines += ["", f"| seed: problems (of {results['sft'][0]['n']}) with | " + " | ".join(counts[0]) + " |",
+              "| --- |" + " --- |" * len(counts[0])]
+    lines += [f"| {seed} | " + " | ".join(str(c[key]) for key in c) + " |" for seed, c in zip(results["seeds"], counts)]
+    return "\n".join(lines)
+
+
+def problem_kinds(n: int, dataset: str = "data/arithmetic") -> tuple[list[str], list[str]]:
+    """The kinds in benchmarks/by_kind.py's order, and the kind of each of the first n held-out problems."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import by_kind  # noqa: E402  (a script beside this one)
+
+    test = by_kind.common.load_splits(os.path.join(ROOT, dataset), ("question", "answer"), n)[1]
+    return by_kind.KINDS, [by_kind.kind_of(question) for question in test["question"]]
+
+
+def smollm2_kinds(results: dict, dataset: str = "data/arithmetic") -> str:
+    """By kind of problem (benchmarks/by_kind.py: sums that carry or not, differences that borrow or not,
+    negative results): each kind's share of right answers (pass@1) and its problems that some answer got
+    right (pass@n), SFT -> GRPO, one value per seed."""
+    order, kinds = problem_kinds(results["sft"][0]["n"], dataset)
+    samples = results["sft"][0]["num_samples"]
+    lines = [f"| kind | problems | right answers, SFT → GRPO (%) | problems some answer of {samples} got right, "
+             "SFT → GRPO |", "| --- | --- | --- | --- |"]
+    for kind in order:
+        rows = [i for i, k in enumerate(kinds) if k == kind]
+        right = [[[run["right_per_problem"][i] for i in rows] for run in results[model]] for model in SMOLLM2]
+        share = lambda counts: f"{100 * sum(counts) / (samples * len(rows)):.1f}"  # noqa: E731
+        solved = lambda counts: str(sum(c > 0 for c in counts))  # noqa: E731
+        lines.append(f"| {kind} | {len(rows)} | " + " | ".join("; ".join(f"{f(a)} → {f(b)}" for a, b in zip(*right))
+                                                               for f in (share, solved)) + " |")
     return "\n".join(lines)
 
 
@@ -205,17 +239,23 @@ def smollm2_figure(results: dict, path: str):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
     pass_at_k_panel(left, results, SMOLLM2)
     n = results["sft"][0]["num_samples"]
+    order, kinds = problem_kinds(results["sft"][0]["n"])
     for i, (seed, sft, grpo) in enumerate(zip(results["seeds"], results["sft"], results["grpo"])):
-        right.scatter(sft["right_per_problem"], grpo["right_per_problem"], s=14, alpha=0.5,
-                      marker="os^"[i % 3], label=f"seed {seed}")
+        for kind, color in zip(order, ("tab:green", "tab:blue", "tab:olive", "tab:red", "tab:purple")):
+            rows = [j for j, k in enumerate(kinds) if k == kind]
+            right.scatter([sft["right_per_problem"][j] for j in rows], [grpo["right_per_problem"][j] for j in rows],
+                          s=16, alpha=0.6, color=color, marker="os^"[i % 3], label=kind if i == 0 else None)
+    markers = ", ".join(f"{'os^'[i % 3]} seed {seed}" for i, seed in enumerate(results["seeds"]))
     right.plot([0, n], [0, n], color="gray", linewidth=0.8, linestyle="--")
     right.set(xlabel=f"SFT model: right answers of {n}", ylabel=f"GRPO model: right answers of {n}",
-              title="each problem (above the line: GRPO right more often)")
-    right.legend(fontsize=8)
+              title=f"each held-out problem ({markers})")
+    right.text(0.97 * n, 0.03 * n, "below the line: SFT right more often", ha="right", fontsize=8, color="gray")
+    right.legend(fontsize=7, title="kind of problem", title_fontsize=7)
     for ax in (left, right):
         ax.grid(alpha=0.3)
     fig.suptitle(f"SmolLM2-135M-Instruct: {n} samples at temperature 1 of each of {results['sft'][0]['n']} held-out "
-                 f"problems (benchmarks/smollm2_pass_at_k.sh, {len(results['seeds'])} seeds)", fontsize=10)
+                 f"problems (benchmarks/smollm2_pass_at_k.sh, seed{'s' * (len(results['seeds']) > 1)} "
+                 f"{', '.join(map(str, results['seeds']))})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -236,7 +276,7 @@ def main():
     if args.smollm2:
         results = smollm2_results(args.docs)
         smollm2_figure(results, os.path.join(ROOT, args.docs, "smollm2_pass_at_k.png"))
-        print(smollm2_table(results))
+        print(smollm2_table(results) + "\n\n" + smollm2_kinds(results))
         return
     path = os.path.join(ROOT, args.docs, "best_of_n.json")
     if args.report:

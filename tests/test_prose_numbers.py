@@ -148,7 +148,8 @@ def test_real_models_smollm2_table_is_the_committed_runs():
     the held-out sampled accuracy at each GRPO evaluation, the gain over GRPO's step-0 evaluation (the SFT
     model), greedy accuracy at the start and the end, and the runs' clocks (time/elapsed) in minutes."""
     page, runs = read("docs", "real_models.md"), os.path.join(ROOT, "docs", "smollm2_runs")
-    names = sorted(os.listdir(runs))
+    names = sorted(name for name in os.listdir(runs)  # pass-at-k-seed*: reruns of sft120-seed* (the test below)
+                   if not name.startswith("pass-at-k-"))
     assert len([name for name in names if name.startswith("seed")]) >= 3, "the chain's figures need 3 seeds"
     for name in names:
         rl = "mix" if os.path.isdir(os.path.join(runs, name, "mix")) else "grpo"  # the RL run: GRPO's, or MIX's
@@ -406,3 +407,62 @@ def test_grpo_page_quotes_the_committed_entropy_runs():
     hot = [statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in results["temperature_1.2"]]
     assert (f"{mean('temperature_1.2', 'first'):.3f} at step 1), fell more ({statistics.fmean(hot):.3f}), and the "
             f"gain was the same ({gain(results['temperature_1.2']):.1f})") in page
+
+
+
+def in_words(values) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else ", ".join(values[:-1]) + " and " + values[-1]
+
+
+def test_real_models_pass_at_k_is_the_committed_evaluations():
+    """docs/real_models.md's pass@k paragraph: its tables are what benchmarks/pass_at_k.py --smollm2 prints
+    from the committed evaluations (docs/smollm2_runs/pass-at-k-seed*/), the models evaluated are reruns of
+    the sft120-seed* chains (every held-out evaluation of the rerun equals the table's), and the prose
+    quotes those files: pass@1 and pass@64, where the curves cross, the problems lost and gained, the
+    borrows, and the minutes."""
+    bench = load_benchmark("pass_at_k")
+    results, text = bench.smollm2_results("docs"), read("docs", "real_models.md")
+    page, seeds = " ".join(text.split()), results["seeds"]
+    many = len(seeds) > 1
+    assert bench.smollm2_table(results) in text and bench.smollm2_kinds(results) in text
+    assert f"bash benchmarks/smollm2_pass_at_k.sh {' '.join(map(str, seeds))}`" in page
+    for seed in seeds:
+        for stage in ("sft", "grpo"):
+            scores = [[(row["step"], row["eval/accuracy_greedy"], row["eval/accuracy_sampled"])
+                       for row in smollm2_evals(f"{name}-seed{seed}", stage)] for name in ("pass-at-k", "sft120")]
+            assert scores[0] == scores[1], (seed, stage)
+    runs = list(zip(results["sft"], results["grpo"]))
+    mean = lambda model, k: 100 * statistics.fmean(run["pass@k"][k] for run in results[model])  # noqa: E731
+    assert (f"GRPO took pass@1 from {mean('sft', '1'):.1f}% to {mean('grpo', '1'):.1f}% and pass@64 from "
+            f"{mean('sft', '64'):.1f}% to {mean('grpo', '64'):.1f}%") in page
+    below = [[int(k) for k in sft["pass@k"] if grpo["pass@k"][k] < sft["pass@k"][k]] for sft, grpo in runs]
+    k = below[0][0]  # GRPO's curve below SFT's from k up, the same k on every seed
+    assert all(ks == [j for j in map(int, sft["pass@k"]) if j >= k] for ks, (sft, _) in zip(below, runs))
+    assert f"GRPO's curve lies below SFT's from k = {k} up{' on every seed' if many else ''}:" in page
+    assert f"but {({2: 'two', 4: 'four', 8: 'eight'})[k]} answers of the SFT model more often hold" in page
+    assert f"GRPO's pass@k lies below SFT's from k = {k} up" in " ".join(read("docs", "best_of_n.md").split())
+    counts = [bench.problems(sft, grpo) for sft, grpo in runs]
+    lost, gained = (in_words(c[f"right only in {model}'s answers"] for c in counts) for model in ("SFT", "GRPO"))
+    assert (("On seeds " + in_words(seeds) + ", " if many else "") + lost + " problems that some answer of the SFT "
+            f"model got right got no right answer in GRPO's 64 ({gained} the other way)") in page
+    order, kinds = bench.problem_kinds(64)
+    borrow = [i for i, kind in enumerate(kinds) if kind == "borrow"]
+    share = [[100 * sum(run["right_per_problem"][i] for i in borrow) / (64 * len(borrow)) for run in results[m]]
+             for m in ("sft", "grpo")]
+    assert (f"borrow right in {in_words(f'{v:.1f}%' for v in share[0])}"
+            f"{' (seeds ' + in_words(seeds) + ')' if many else ''} of answers, and GRPO took that to "
+            f"{in_words(f'{v:.1f}%' for v in share[1])}") in page
+    lost = [kinds[i] for sft, grpo in runs
+            for i, (a, b) in enumerate(zip(sft["right_per_problem"], grpo["right_per_problem"])) if b == 0 < a]
+    assert f"Of the problems GRPO lost, {lost.count('borrow')} of {len(lost)} are differences that borrow" in page
+    assert lost.count("borrow") > len(lost) / 2  # best_of_n.md: "mostly differences that borrow"
+    p = statistics.fmean(share[0]) / 100
+    assert f"at {100 * p:.1f}%" in page and f"holds a right one in {100 * (1 - (1 - p) ** 4):.0f}% of groups" in page
+    clocks = [json.loads(read("docs", "smollm2_runs", f"pass-at-k-seed{seed}", stage, "pass_at_k.json"))["wall_minutes"]
+              for seed in seeds for stage in ("sft", "grpo")]
+    assert f"each 64-sample evaluation {min(clocks):.1f} to {max(clocks):.1f} minutes" in page
+    trained = [in_words(f"{smollm2_evals(f'pass-at-k-seed{seed}', stage)[-1]['time/elapsed'] / 60:.1f}"
+                        for seed in seeds) for stage in ("sft", "grpo")]
+    assert f"SFT took {trained[0]} minutes and GRPO {trained[1]} by their own clocks" in page

