@@ -418,56 +418,73 @@ def in_words(values) -> str:
 
 def test_real_models_pass_at_k_is_the_committed_evaluations():
     """docs/real_models.md's pass@k paragraph: its tables are what benchmarks/pass_at_k.py --smollm2 prints
-    from the committed evaluations (docs/smollm2_runs/pass-at-k-seed*/), the models evaluated are reruns of
-    the sft120-seed* chains (every held-out evaluation of the rerun equals the table's), and the prose
+    from the committed evaluations (docs/smollm2_runs/pass-at-k-seed*/, seeds 0, 1 and 2), which of the
+    models evaluated have the held-out evaluations of the sft120-seed* chains they rerun, and the prose
     quotes those files: pass@1 and pass@64, where the curves cross, the problems lost and gained, the
     borrows, and the minutes."""
     bench = load_benchmark("pass_at_k")
     results, text = bench.smollm2_results("docs"), read("docs", "real_models.md")
     page, seeds = " ".join(text.split()), results["seeds"]
-    many = len(seeds) > 1
+    assert seeds == [0, 1, 2]
     assert bench.smollm2_table(results) in text and bench.smollm2_kinds(results) in text
-    assert f"bash benchmarks/smollm2_pass_at_k.sh {' '.join(map(str, seeds))}`" in page
-    for seed in seeds:  # the reruns' SFT evaluations are the table's; GRPO's on seed 0, not on seed 1
-        for stage in ("sft", "grpo"):
-            scores = [[(row["step"], row["eval/accuracy_greedy"], row["eval/accuracy_sampled"])
-                       for row in smollm2_evals(f"{name}-seed{seed}", stage)] for name in ("pass-at-k", "sft120")]
-            assert (scores[0] == scores[1]) == (stage == "sft" or seed == 0), (seed, stage)
-    rerun, table = ([100 * row["eval/accuracy_sampled"] for row in smollm2_evals(name)]
-                    for name in ("pass-at-k-seed1", "sft120-seed1"))
-    assert rerun[1] != table[1] and (f"ended at {rerun[-1]:.1f}% sampled ({rerun[-1] - rerun[0]:+.1f}) where "
-                                     f"`sft120-seed1` ended at {table[-1]:.1f}% ({table[-1] - table[0]:+.1f})") in page
+    assert "`bash benchmarks/smollm2_pass_at_k.sh 0 1 2`" in page
+    scores = {(seed, stage): [[(row["step"], row["eval/accuracy_greedy"], row["eval/accuracy_sampled"])
+                               for row in smollm2_evals(f"{name}-seed{seed}", stage)]
+                              for name in ("pass-at-k", "sft120")] for seed in seeds for stage in ("sft", "grpo")}
+    equal = {key for key, (rerun, table) in scores.items() if rerun == table}
+    assert equal == {(0, "sft"), (0, "grpo"), (1, "sft")}  # "to the last digit"; the others below
+    for seed in (1, 2):  # the GRPO models that are another draw: where each ended, against the table's
+        rerun, table = ([100 * row[2] for row in rows] for rows in scores[seed, "grpo"])
+        assert (f"ended at {rerun[-1]:.1f}% sampled ({rerun[-1] - rerun[0]:+.1f}) where `sft120-seed{seed}` ended at "
+                f"{table[-1]:.1f}% ({table[-1] - table[0]:+.1f})") in page
+    assert scores[1, "grpo"][0][1] != scores[1, "grpo"][1][1] and scores[1, "grpo"][0][0] == scores[1, "grpo"][1][0]
+    (*before, last), (*table_before, table_last) = scores[2, "sft"]  # seed 2's SFT: only its last sampled one differs
+    assert before == table_before and last[:2] == table_last[:2] and last[2] != table_last[2]
+    assert (f"its last sampled evaluation came out {100 * last[2]:.1f}% where `sft120-seed2` printed "
+            f"{100 * table_last[2]:.1f}%") in page
     runs = list(zip(results["sft"], results["grpo"]))
     mean = lambda model, k: 100 * statistics.fmean(run["pass@k"][k] for run in results[model])  # noqa: E731
     assert (f"GRPO took pass@1 from {mean('sft', '1'):.1f}% to {mean('grpo', '1'):.1f}% and pass@64 from "
             f"{mean('sft', '64'):.1f}% to {mean('grpo', '64'):.1f}%") in page
-    below = [[int(k) for k in sft["pass@k"] if grpo["pass@k"][k] < sft["pass@k"][k]] for sft, grpo in runs]
+    change = [{k: 100 * (grpo["pass@k"][k] - sft["pass@k"][k]) for k in sft["pass@k"]} for sft, grpo in runs]
+    assert all(c["1"] > 0 > c["64"] for c in change)  # "raised pass@1 on every seed, and lowered pass@64"
+    assert f"{-change[0]['64']:.1f}" == f"{-change[1]['64']:.1f}"  # "by 12.5 points on two"
+    assert f"by {-change[0]['64']:.1f} points on two and {-change[2]['64']:.1f} on the third" in page
+    below = [[int(k) for k in c if c[k] < 0] for c in change]
     crossings = [ks[0] for ks in below]  # on each seed, GRPO's curve below SFT's from this k up
-    assert all(ks == [j for j in map(int, sft["pass@k"]) if j >= ks[0]] for ks, (sft, _) in zip(below, runs))
-    where = in_words(f"from k = {k} up on seed {seed}" for k, seed in zip(crossings, seeds)) if many else \
-        f"from k = {crossings[0]} up"
+    assert all(ks == [j for j in map(int, c) if j >= ks[0]] for ks, c in zip(below, change))
+    where = in_words(f"from k = {k} up on seed {seed}" for k, seed in zip(crossings, seeds))
     assert f"GRPO's curve lies below SFT's {where}:" in page
-    word = {2: "two", 4: "four", 8: "eight"}[max(crossings)]
-    assert f"but {word} answers of the SFT model more often hold a right one than {word} of GRPO's" in page
     assert f"GRPO's pass@k lies below SFT's {where}" in " ".join(read("docs", "best_of_n.md").split())
+    word = {2: "two", 4: "four", 8: "eight"}[max(crossings[:2])]
+    assert f"on seeds 0 and 1, {word} answers of the SFT model more often hold a right one than {word} of GRPO's" \
+        in page
     counts = [bench.problems(sft, grpo) for sft, grpo in runs]
-    lost, gained = (in_words(c[f"right only in {model}'s answers"] for c in counts) for model in ("SFT", "GRPO"))
-    assert (("On seeds " + in_words(seeds) + ", " if many else "") + lost + " problems that some answer of the SFT "
-            f"model got right got no right answer in GRPO's 64 ({gained} the other way)") in page
+    lost, gained = ([c[f"right only in {model}'s answers"] for c in counts] for model in ("SFT", "GRPO"))
+    assert f"where pass@1 rose most ({change[2]['1']:+.1f} points)" in page and change[2]["1"] == max(
+        c["1"] for c in change)
+    assert (f"stays above SFT's up to k = {crossings[2] // 2} and ends one problem below it ({lost[2]} problems "
+            f"lost, {gained[2]} gained)") in page and round(-change[2]["64"] * 64 / 100) == 1
+    assert (f"On seeds 0, 1 and 2, {in_words(lost)} problems that some answer of the SFT model got right got no "
+            f"right answer in GRPO's 64 ({in_words(gained)} the other way)") in page
     order, kinds = bench.problem_kinds(64)
+    lost = [(kinds[i], a) for sft, grpo in runs
+            for i, (a, b) in enumerate(zip(sft["right_per_problem"], grpo["right_per_problem"])) if b == 0 < a]
+    few = sum(a <= 3 for _, a in lost)
+    assert (f"Every problem GRPO lost had been right in at most {max(a for _, a in lost)} of the SFT model's 64 "
+            f"answers, {few} of the {len(lost)} in 3 or fewer") in page
+    borrows = sum(kind == "borrow" for kind, _ in lost)
+    assert f"Of them, {borrows} of {len(lost)} are differences that borrow" in page and borrows > len(lost) / 2
     borrow = [i for i, kind in enumerate(kinds) if kind == "borrow"]
     share = [[100 * sum(run["right_per_problem"][i] for i in borrow) / (64 * len(borrow)) for run in results[m]]
              for m in ("sft", "grpo")]
-    assert (f"borrow right in {in_words(f'{v:.1f}%' for v in share[0])}"
-            f"{' (seeds ' + in_words(seeds) + ')' if many else ''} of answers, and GRPO took that to "
-            f"{in_words(f'{v:.1f}%' for v in share[1])}") in page
-    lost = [kinds[i] for sft, grpo in runs
-            for i, (a, b) in enumerate(zip(sft["right_per_problem"], grpo["right_per_problem"])) if b == 0 < a]
-    assert f"Of the problems GRPO lost, {lost.count('borrow')} of {len(lost)} are differences that borrow" in page
-    assert lost.count("borrow") > len(lost) / 2  # best_of_n.md: "mostly differences that borrow"
+    assert share[1][0] < share[0][0] and share[1][1] < share[0][1] and share[1][2] > share[0][2]
+    assert (f"On seeds 0 and 1, SFT's samples got differences that borrow right in {share[0][0]:.1f}% and "
+            f"{share[0][1]:.1f}% of answers and GRPO took that to {share[1][0]:.1f}% and {share[1][1]:.1f}%") in page
+    assert f"borrows too ({share[0][2]:.1f}% to {share[1][2]:.1f}%)" in page
     p = statistics.fmean(share[0]) / 100
-    assert f"at {100 * p:.1f}%{' (their mean)' if many else ''} right" in page
-    assert f"holds a right one in {100 * (1 - (1 - p) ** 4):.0f}% of groups" in page
+    assert f"at {100 * p:.1f}% (the seeds' mean) right, a group of 4 answers holds a right one in " \
+           f"{100 * (1 - (1 - p) ** 4):.0f}% of groups" in page
     clocks = [json.loads(read("docs", "smollm2_runs", f"pass-at-k-seed{seed}", stage, "pass_at_k.json"))["wall_minutes"]
               for seed in seeds for stage in ("sft", "grpo")]
     assert f"each 64-sample evaluation {min(clocks):.1f} to {max(clocks):.1f} minutes" in page
