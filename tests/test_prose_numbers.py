@@ -455,6 +455,7 @@ def test_real_models_pass_at_k_is_the_committed_evaluations():
     assert all(ks == [j for j in map(int, c) if j >= ks[0]] for ks, c in zip(below, change))
     where = in_words(f"from k = {k} up on seed {seed}" for k, seed in zip(crossings, seeds))
     assert f"GRPO's curve lies below SFT's {where}:" in page
+    assert f"the k where it comes moved from {min(crossings)} to {max(crossings)} between seeds" in page
     assert f"GRPO's pass@k lies below SFT's {where}" in " ".join(read("docs", "best_of_n.md").split())
     word = {2: "two", 4: "four", 8: "eight"}[max(crossings[:2])]
     assert f"on seeds 0 and 1, {word} answers of the SFT model more often hold a right one than {word} of GRPO's" \
