@@ -224,6 +224,10 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # a rollout prompt ends the same way
 
 
+# The final evaluation only (none at step 0), of one problem, with one sampled answer where a policy is evaluated:
+# the untrained model writes --max_completion_length tokens at every answer, much of a run's time here.
+ONE_EVALUATION = ["--eval_steps", "100", "--num_eval_examples", "1", "--eval_on_start", "false"]
+ONE_SAMPLE = ["--eval_samples_per_problem", "1"]  # the policies' (the reward model's evaluation samples nothing)
 ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
     "sft.py": ["--per_device_train_batch_size", "2", "--max_completion_length", "64", "--logging_steps", "1"],
     "reward_model.py": ["--per_device_train_batch_size", "2", "--policy_prompts", "0", "--max_length", "160",
@@ -249,8 +253,8 @@ def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path
 
     out, model = str(tmp_path / script), gguf_path if script == "grpo.py" else smollm2_folder
     run_main(script, "--model", model, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
-             "--gradient_accumulation_steps", "2", "--eval_steps", "100", "--num_eval_examples", "1",
-             "--warmup_steps", "1", *ARGS[script])
+             "--gradient_accumulation_steps", "2", "--warmup_steps", "1", *ONE_EVALUATION,
+             *(ONE_SAMPLE if script != "reward_model.py" else []), *ARGS[script])
     rows = [row for row in read_metrics(out) if "loss" in row or "loss/actor" in row]
     assert len(rows) == 2 and all(math.isfinite(row.get("loss", row.get("loss/actor", 0.0))) for row in rows)
     adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
@@ -271,7 +275,7 @@ def test_dpo_trains_the_real_model_with_lora_and_accumulation(smollm2_folder, tm
     out = str(tmp_path / "dpo")
     run_main("dpo.py", "--model", smollm2_folder, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
              "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "160",
-             "--eval_steps", "100", "--num_eval_examples", "1", "--warmup_steps", "1", "--max_completion_length", "16")
+             *ONE_EVALUATION, *ONE_SAMPLE, "--warmup_steps", "1", "--max_completion_length", "16")
     rows = [row for row in read_metrics(out) if "loss" in row]
     assert len(rows) == 2 and rows[0]["loss"] == approx(math.log(2), terms=16)
     assert math.isfinite(rows[1]["loss"]) and rows[0]["rewards/margins"] == 0.0
