@@ -134,11 +134,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """The tests that need no trained checkpoint first, then those that need the SFT model, then the
-    reward model (a stable sort: file order within each). With -n 2 the first worker to reach a
-    checkpoint test trains it while the other still has tests to run, rather than both waiting on
-    built_once's lock at the start."""
-    items.sort(key=lambda item: ("sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames))
+    """The notebooks' test first: the longest, it starts by training the SFT model and the reward model (a few
+    minutes, one worker of -n 2) while the other worker runs the tests that need no trained checkpoint, which come
+    next; then those that need the SFT model, then the reward model (a stable sort: file order within each). So
+    neither worker waits on built_once's lock for a checkpoint the other is still training."""
+    items.sort(key=lambda item: (item.name != "test_every_notebook_runs_in_order",
+                                 "sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames))
 
 
 def built_once(tmp_path_factory, name: str, build) -> str:
@@ -165,6 +166,18 @@ def sft_checkpoint(tmp_path_factory):
     return built_once(tmp_path_factory, "sft", lambda out: run_main(
         "sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300",
         "--num_eval_examples", "64", "--overwrite_output_dir", "true"))
+
+
+@pytest.fixture(scope="session")
+def rm_checkpoint(sft_checkpoint, tmp_path_factory):
+    """A short reward-model run from the short SFT checkpoint (~1 min): the shipped pairs plus pairs from the
+    policy's samples on 64 prompts. notebooks/helpers.py's RM_CONFIG is the same run, so notebook 02 need not
+    train it again (tests/test_notebooks.py copies it)."""
+    return built_once(tmp_path_factory, "rm", lambda out: run_main(
+        "reward_model.py", "--model", sft_checkpoint, "--output_dir", out, *RM_RUN, "--overwrite_output_dir", "true"))
+
+
+RM_RUN = ["--max_steps", "100", "--policy_prompts", "64", "--eval_steps", "50", "--num_eval_examples", "200"]
 
 
 @pytest.fixture(scope="session")

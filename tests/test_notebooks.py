@@ -1,8 +1,8 @@
 """Every walkthrough notebook runs top to bottom without an error (headless, with nbclient).
 
 The notebooks are executed in memory, so their committed outputs are never rewritten. The
-checkpoints they train (notebooks/helpers.py) go to a temporary folder: the first notebook that
-needs the SFT policy or the reward model trains it, the others reuse it. So they run in order in
+checkpoints they train (notebooks/helpers.py) go to a temporary folder, which starts with the
+suite's SFT policy and reward model (the same runs); the notebooks reuse them. So they run in order in
 one test, which one worker of `-n 2` runs while the other runs other tests (split over two
 workers, a notebook would train again what another one trained on the other worker).
 """
@@ -17,7 +17,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from conftest import ROOT
+from conftest import RM_RUN, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +25,26 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 
 @pytest.fixture()
-def notebook_out(tmp_path, sft_checkpoint):
-    """The notebooks' checkpoint folder, starting with the suite's short SFT run: notebooks/helpers.py's
-    SFT_CONFIG is the same run (steps, learning rate, evaluation, seed), so it need not train twice."""
+def notebook_out(tmp_path, sft_checkpoint, rm_checkpoint):
+    """The notebooks' checkpoint folder, starting with the suite's short SFT and reward-model runs:
+    notebooks/helpers.py's SFT_CONFIG and RM_CONFIG are the same runs (steps, learning rate, data,
+    evaluation, seed), so they need not train twice."""
     sys.path.insert(0, os.path.join(ROOT, "notebooks"))
     import helpers
+    import reward_model
 
     cfg = helpers.SFT_CONFIG
     settings = (cfg.max_steps, cfg.learning_rate, cfg.eval_steps, cfg.num_eval_examples, cfg.seed)
     assert settings == (300, 2e-3, 300, 64, 0), \
         "notebooks/helpers.py's SFT_CONFIG no longer matches tests/conftest.py's sft_checkpoint: update both"
+    rm_run = dict(zip((arg.removeprefix("--") for arg in RM_RUN[::2]), map(int, RM_RUN[1::2])))
+    changed = {name: value for name, value in vars(helpers.RM_CONFIG).items()
+               if name not in ("model", "output_dir") and value != getattr(reward_model.Config(), name)}
+    assert changed == rm_run, \
+        "notebooks/helpers.py's RM_CONFIG no longer matches tests/conftest.py's rm_checkpoint: update both"
     out = str(tmp_path / "notebooks_out")
     shutil.copytree(sft_checkpoint, os.path.join(out, "sft"))
+    shutil.copytree(rm_checkpoint, os.path.join(out, "rm"))
     return out
 
 
