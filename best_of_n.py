@@ -23,7 +23,9 @@ model written by reward_model.py), then read three things off the same samples:
     python best_of_n.py --model out/sft --num_samples 16 --num_eval_examples 100   # a quick look
 
 Writes eval.json (pass@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N; each
-problem's count of right answers) and best_of_n.png to --output_dir. Nothing is trained.
+problem's count of right answers), best_of_n.png and run.json to --output_dir, with the training scripts'
+guarantees (harness.py): the folder checked and locked before any sampling, an earlier evaluation replaced
+only when the new one is whole. Nothing is trained.
 
 Left out, and why: best-of-N as a training target (rejection sampling fine-tuning trains on the
 kept answers; BoN distillation), a judge other than a reward model (an LLM as judge), several
@@ -71,7 +73,8 @@ class Config:
     output_dir: str = "out/best_of_n"
     """where eval.json and best_of_n.png go"""
     overwrite_output_dir: bool = False
-    """replace the eval.json and best_of_n.png an earlier evaluation wrote there"""
+    """replace the evaluation (or the run of another script) in --output_dir: the new one is written into
+    <output_dir>/.next_run and moves in when it is whole, so one that fails leaves the old one whole"""
     trust_remote_code: bool = False
     """run a hub model's own Python code (only for models you trust)"""
 
@@ -193,8 +196,7 @@ def plot(results: dict, path: str, title: str):
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path)  # whole or not at all
 
 
 def short(path: str) -> str:
@@ -204,10 +206,11 @@ def short(path: str) -> str:
 
 def main(cfg: Config):
     check_settings(cfg)
-    out = cfg.output_dir
-    if os.path.isfile(os.path.join(out, "eval.json")) and not cfg.overwrite_output_dir:
-        common.fail(f"--output_dir {out} already holds an evaluation (eval.json): --overwrite_output_dir true "
-                    "replaces it, or choose another folder")
+    # The output folder as a training run has it (harness): checked and locked before any sampling, an
+    # earlier evaluation replaced only when the new one is whole, run.json listing what was written.
+    inputs = {"--model": cfg.model, "--dataset": cfg.dataset, **({"--judge": cfg.judge} if cfg.judge != "rule" else {})}
+    record = harness.run_record(cfg, inputs)
+    out = harness.prepare_output_dir(cfg, inputs, record)  # --output_dir, or its .next_run over an earlier one
     common.set_seed(cfg.seed)
     device = distributed.get_device()
     test = common.load_splits(cfg.dataset, ("question", "answer"), cfg.num_eval_examples)[1]
@@ -229,11 +232,13 @@ def main(cfg: Config):
                                    list(test["answer"]), cfg)
     results = {**summarise(gold, proxy), "model": cfg.model, "judge": cfg.judge, "temperature": cfg.temperature}
 
-    os.makedirs(out, exist_ok=True)
+    harness.start_output_dir(out, metrics=False)
     harness.write_json(os.path.join(out, "eval.json"), results)
     plot(results, os.path.join(out, "best_of_n.png"),
          f"{short(cfg.model)}: {cfg.num_samples} samples of each of {results['n']} held-out problems at temperature "
          f"{cfg.temperature:g}; best of N by {short(cfg.judge) if judge is not None else 'the checker'}")
+    harness.finish_output_dir(out, cfg, record)  # run.json; over an earlier evaluation: it moves in now
+    out = cfg.output_dir
     top = str(cfg.num_samples)
     common.log(f"{cfg.model}: pass@1 {100 * results['pass@k']['1']:.1f}%, pass@{top} "
                f"{100 * results['pass@k'][top]:.1f}%; best-of-{top} by {cfg.judge}: "

@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import distributed
 import harness
 import reward_model
 import rollout
@@ -81,6 +82,7 @@ LOSS_TYPES = ("sigmoid", "ipo", "simpo", "kto")  # TRL's names: DPOTrainer's sig
 @dataclass
 class Config(harness.RLConfig):
     """DPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
+    LOSS_SCALES = ("beta", "desirable_weight", "undesirable_weight")  # they scale a loss term: named after a NaN
     prompts: str = "data/arithmetic"
     """a folder in GSM8K's schema (question / answer): online DPO's prompts (train split) and every run's
     held-out accuracy (test split)"""
@@ -129,6 +131,9 @@ class Config(harness.RLConfig):
                         "pairs of --dataset)")
         if self.steps_per_generation > 1 and not self.online:
             common.fail("--steps_per_generation says how often online DPO samples new pairs: add --online true")
+        if self.steps_per_generation > self.max_steps:
+            common.fail(f"--steps_per_generation {self.steps_per_generation} samples the pairs of that many steps at "
+                        f"once, more than the run's --max_steps {self.max_steps}: the rest would never be used")
         if self.save_steps % self.steps_per_generation:
             common.fail(f"--save_steps {self.save_steps} must be a multiple of --steps_per_generation "
                         f"{self.steps_per_generation}, so that a checkpoint falls where new pairs are sampled and "
@@ -322,9 +327,17 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
             completions)
 
 
-def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float:
-    """The mean of values [B] over the pairs that count (weights [B] of 1 and 0); 0 if none does."""
-    return ((values * weights).sum() / weights.sum().clamp(min=1)).item()
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float | None:
+    """The mean of values [B] over the pairs that count (weights [B] of 1 and 0), over every process; None
+    if none counts (the metric is left out of the step's line, not logged as 0)."""
+    sums = torch.stack([(values * weights).sum(), weights.sum()]).to(distributed.get_device())  # NCCL: on the GPU
+    total, count = common.global_sum(sums)
+    return (total / count).item() if count > 0 else None
+
+
+def without_none(metrics: dict) -> dict:
+    """The metrics that have a value this step (a KTO batch with no desirable answer has no rewards/chosen)."""
+    return {key: value for key, value in metrics.items() if value is not None}
 
 
 @torch.no_grad()
@@ -336,13 +349,13 @@ def step_metrics(rewards, logps, lengths, weights) -> dict:
     weights [B]; rewards, logps, lengths [2B] (the chosen rows, then the rejected)."""
     chosen_rewards, rejected_rewards = rewards.chunk(2)
     chosen_logps, rejected_logps = logps.chunk(2)
-    return {"rewards/chosen": weighted_mean(chosen_rewards, weights),
-            "rewards/rejected": weighted_mean(rejected_rewards, weights),
-            "rewards/margins": weighted_mean(chosen_rewards - rejected_rewards, weights),
-            "rewards/accuracies": weighted_mean((chosen_rewards > rejected_rewards).float(), weights),
-            "logps/chosen": weighted_mean(chosen_logps, weights),
-            "logps/rejected": weighted_mean(rejected_logps, weights),
-            "completion_length": lengths.float().mean().item()}
+    return without_none({"rewards/chosen": weighted_mean(chosen_rewards, weights),
+                         "rewards/rejected": weighted_mean(rejected_rewards, weights),
+                         "rewards/margins": weighted_mean(chosen_rewards - rejected_rewards, weights),
+                         "rewards/accuracies": weighted_mean((chosen_rewards > rejected_rewards).float(), weights),
+                         "logps/chosen": weighted_mean(chosen_logps, weights),
+                         "logps/rejected": weighted_mean(rejected_logps, weights),
+                         "completion_length": lengths.float().mean().item()})
 
 
 @torch.no_grad()
@@ -352,10 +365,12 @@ def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
     reference point (TRL's kl); kto/desirable the share of desirable answers. All [2B] but z0."""
     undesirable = 1 - desirable
     chosen, rejected = weighted_mean(rewards, desirable), weighted_mean(rewards, undesirable)
-    return {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen - rejected,
-            "logps/chosen": weighted_mean(logps, desirable), "logps/rejected": weighted_mean(logps, undesirable),
-            "kto/z0": z0.item(), "kto/desirable": desirable.mean().item(),
-            "completion_length": lengths.float().mean().item()}
+    return without_none({
+        "rewards/chosen": chosen, "rewards/rejected": rejected,
+        "rewards/margins": chosen - rejected if chosen is not None and rejected is not None else None,
+        "logps/chosen": weighted_mean(logps, desirable), "logps/rejected": weighted_mean(logps, undesirable),
+        "kto/z0": z0.item(), "kto/desirable": desirable.mean().item(),
+        "completion_length": lengths.float().mean().item()})
 
 
 # ---------------------------------------------------------------------------------------------

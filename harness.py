@@ -27,6 +27,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -89,11 +90,14 @@ class RunConfig:
     max_grad_norm: float = setting(1.0, lambda v: v > 0, "positive (the gradient's norm is clipped to it)")
     """gradient clipping norm"""
     eval_steps: int = setting(40, lambda v: v >= 1, "at least 1")
-    """evaluate on held-out data every this many steps, and at the last step"""
+    """evaluate on held-out data every this many steps, and at the last step. The evaluation settings are part of
+    the run: the sampled evaluation draws from the random generator the rollouts draw from, so in RL they change
+    the trained weights, and --resume refuses a change"""
     num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out example)")
-    """held-out examples per evaluation (0 = the whole test split)"""
+    """held-out examples per evaluation (0 = the whole test split); part of the run, as --eval_steps"""
     per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
-    """sequences generated or scored at once during evaluation (lower it for a large model)"""
+    """sequences generated or scored at once during evaluation (lower it for a large model); part of the run, as
+    --eval_steps"""
     eval_on_start: bool = True
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
     logging_steps: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -124,6 +128,8 @@ class RunConfig:
     merge_lora: bool = False
     """with --lora_r, also save the adapter merged into its base model, in <output_dir>/merged"""
 
+    LOSS_SCALES = ()  # the settings that scale a loss term (a script's Config names its own): Run.what_helps
+
     def check_together(self):
         """Settings that only work together: a script's Config overrides this with its own checks
         (checks.check_settings calls it, before anything is loaded or written)."""
@@ -137,7 +143,8 @@ class RunConfig:
 class PolicyConfig(RunConfig):
     """A script that trains a policy: its held-out accuracy is measured on sampled answers."""
     eval_samples_per_problem: int = setting(4, lambda v: v >= 1, "at least 1")
-    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean"""
+    """sampled completions per held-out problem (temperature 1): sampled accuracy is their mean; part of the run,
+    as --eval_steps"""
 
 
 @dataclasses.dataclass
@@ -173,6 +180,7 @@ class Run:
         self.initial = self.scores = None  # the held-out scores at step 0 and at the latest evaluation
         self.step, self.metrics, self.sample, self.progress_postfix = 0, {}, None, {}
         self.learned_steps, self.no_signal = 0, None  # steps that had something to learn from; why one had not
+        self.updated = False  # whether an update was applied to the weights yet (a clip_gradients check passed)
 
     def prepare(self, model, scalar_head: bool = False):
         """The model as training needs it: activations recomputed in the backward pass
@@ -220,7 +228,9 @@ class Run:
             self.started -= results.get("elapsed", 0.0)
             self.initial, self.scores = results.get("initial"), results["scores"]
             self.learned_steps = results.get("learned_steps", first_step)
+            self.no_signal = results.get("no_signal")  # a run with nothing to learn stops the same way when resumed
             self.state.update(results.get("state", {}))
+            self.updated = True  # the checkpoint's weights have been updated (check_finite's advice)
         else:
             start_output_dir(self.dir)
             first_step = 0
@@ -245,9 +255,26 @@ class Run:
         Returns the norm before clipping."""
         distributed.average_gradients(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
-        check_finite(self.step, self.dir, grad_norm=grad_norm, loss=loss)
+        check_finite(self.step, self.dir, advice=self.what_helps(), grad_norm=grad_norm, loss=loss)
         self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (_end_step)
+        self.updated = True  # the script applies this update next
         return grad_norm
+
+    def what_helps(self) -> str:
+        """What to change after a NaN or inf: a setting that scales the loss (the Config's LOSS_SCALES) that
+        was raised above its default, and the learning rate once an update was applied (before the first
+        one the weights are the starting model's, so the learning rate cannot be the cause)."""
+        cfg = self.cfg
+        defaults = {name: cfg.__dataclass_fields__[name].default for name in cfg.LOSS_SCALES}
+        raised = [f"--{name} (here {getattr(cfg, name):g}, by default {default:g})"
+                  for name, default in defaults.items() if getattr(cfg, name) > default]
+        helps = ["a smaller " + " or ".join(raised)] if raised else []
+        if self.updated:
+            helps.append("a lower --learning_rate")
+        if not helps:
+            return ("no update had been applied yet, so the starting model or the data gives it: check that --model "
+                    "holds finite weights")
+        return " or ".join(helps) + " usually helps"
 
     def nothing_to_learn(self, why: str):
         """This step had nothing to learn from (why: a sentence, and what would give it something). A run
@@ -267,7 +294,7 @@ class Run:
         metrics = {**metrics, **parts, "time/backward": elapsed - sum(parts.values()), "time/step": elapsed}
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics = distributed.reduce_metrics(metrics)
-        check_finite(self.step, self.dir, after_update=True,
+        check_finite(self.step, self.dir, after_update=True, advice=self.what_helps(),
                      **{f"metric {key}": value for key, value in metrics.items() if isinstance(value, (int, float))})
         self.metrics = metrics
         shown = [key for key in ("loss", "reward", "score", "accuracy", "kl", "kl_sum") if key in metrics]
@@ -322,7 +349,8 @@ class Run:
             promote_checkpoint(self.dir)
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing
             results = {"initial": self.initial, "scores": self.scores, "state": self.state,
-                       "elapsed": time.perf_counter() - self.started, "learned_steps": self.learned_steps}
+                       "elapsed": time.perf_counter() - self.started, "learned_steps": self.learned_steps,
+                       "no_signal": self.no_signal}
             save_training_state(self.dir, self.record, step, results, **self.training_state)
 
     def _eval_metrics(self, step: int, scores: dict) -> dict:
@@ -417,12 +445,13 @@ def _umask() -> int:
     return mask
 
 
-def check_finite(step: int, run_dir: str, after_update: bool = False, **values):
+def check_finite(step: int, run_dir: str, after_update: bool = False,
+                 advice: str = "a lower --learning_rate usually helps", **values):
     """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
     applied (after_update: at a metric logged after it, such as a KL). A checkpoint counts as good
     only once the weights it holds gave finite values: the one written after the last save
     (checkpoint.new) is dropped here when they did not, so --resume never restarts from weights
-    that already diverged (promote_checkpoint keeps it when they did).
+    that already diverged (promote_checkpoint keeps it when they did). advice: what to change (Run.what_helps).
     Pass the gradient norm first: under torchrun it is the same on every process, so all stop together."""
     for name, value in values.items():
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
@@ -433,7 +462,7 @@ def check_finite(step: int, run_dir: str, after_update: bool = False, **values):
             fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped "
                  + ("at this step's metrics" if after_update else "before applying this update")
                  + (f" ({kept} holds the last weights that gave finite values)" if kept else "")
-                 + "; a lower --learning_rate usually helps (in a new run: --overwrite_output_dir true)")
+                 + f"; {advice} (in a new run: --overwrite_output_dir true)")
 
 
 def newest_checkpoint(run_dir: str) -> str | None:
@@ -570,9 +599,16 @@ RUN_FILE = "run.json"  # the script, model and settings of a run: in each checkp
 # A new run's weights never sit beside an old run's: these go when a run replaces another.
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "adapter_config.json",
                 "merged", "critic", "checkpoint", "checkpoint.new", "checkpoint.old")
-# The settings --resume lets change: how a run is watched and saved, not what it trains.
-RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_steps",
-                     "num_eval_examples", "eval_samples_per_problem", "per_device_eval_batch_size", "eval_on_start",
+# Every name a run of this repo writes into its folder: its model and tokenizer (as transformers and peft save them,
+# peft's README.md included), its logs, its figures (*.png) and its checkpoints. A run that replaces another removes
+# nothing else, whatever the old run.json lists.
+RUN_NAMES = {*WEIGHT_FILES, "config.json", "generation_config.json", "README.md", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+             "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "metrics.jsonl", "completions.jsonl",
+             "eval.json", RUN_FILE}
+# The settings --resume lets change: how a run is watched and saved, not what it trains. Not the evaluation's:
+# the sampled evaluation draws from the random generator the rollouts draw from, so it changes what a run trains.
+RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_on_start",
                      "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps"}
 _locks = {}  # folder -> the open descriptor that holds its lock until this process ends
 _made = set()  # folders this process made (prepare_output_dir): an empty one is removed when the process ends
@@ -664,9 +700,10 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
                 f"--output_dir {out} holds {flag} {path}: "
                 "write the run to another folder (an input is never overwritten)"
             )
-    if cfg.resume and cfg.overwrite_output_dir:
+    resume = getattr(cfg, "resume", False)  # (best_of_n.py writes a folder too, and continues none)
+    if resume and cfg.overwrite_output_dir:
         fail("--resume continues the run in --output_dir and --overwrite_output_dir replaces it: pass one of them")
-    if cfg.resume and not os.path.isdir(out):
+    if resume and not os.path.isdir(out):
         fail(f"--resume: {out} does not exist, so there is no run to continue (leave out --resume to start one)")
     if not os.path.isdir(out) and _rank0():  # one writer from the first moment: make the folder and lock it now
         try:
@@ -682,7 +719,7 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
         _move_in(out)
     if _rank0():
         remove_leftovers(out)
-    if cfg.resume:
+    if resume:
         run_dir = next_run if os.path.isdir(next_run) else out
         checkpoint = newest_checkpoint(run_dir)
         if checkpoint is None and run_dir == next_run:
@@ -695,15 +732,50 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
     held = sorted(name for name in os.listdir(out) if not name.startswith("."))
     if held and not cfg.overwrite_output_dir:
         fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
-             "--resume true continues it, --overwrite_output_dir true replaces it when the new run finishes, "
-             "or choose another folder")
+             + ("--resume true continues it, " if hasattr(cfg, "resume") else "")
+             + "--overwrite_output_dir true replaces it when the new run finishes, or choose another folder")
+    if held:
+        run_files(out)  # the old run's record, checked now: the new run will remove what it lists
     return next_run if held else out
+
+
+def written_by_a_run(name: str) -> bool:
+    """Is `name` a plain name inside a run folder (no folder part, not . or ..) that a run of this repo writes?"""
+    return (name == os.path.basename(name) and "/" not in name and name not in ("", ".", "..")
+            and (name in RUN_NAMES or name.endswith(".png") or re.fullmatch(r"model-\d+-of-\d+\.safetensors", name)
+                 is not None))
+
+
+def run_files(folder: str, record: str = RUN_FILE) -> set[str]:
+    """The names of the run in `folder` that a run replacing it removes: those its run.json (or .complete) lists,
+    each of them a plain name this repo writes (written_by_a_run); a folder whose run.json is missing (deleted,
+    or a run killed before its end): every such name in it. A record that lists anything else (../other_run,
+    /home, notes.txt), or that is not such a list, is refused in one sentence before anything is removed:
+    a run folder copied from elsewhere may hold any record."""
+    path = os.path.join(folder, record)
+    if record == RUN_FILE and not os.path.lexists(path):
+        return {name for name in os.listdir(folder) if written_by_a_run(name)}
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        files = error
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        fail(f"{path} is not a record this repo writes (a list of the run's files), so the run it belongs to "
+             "cannot be replaced safely; nothing was removed: delete that file (the files this repo writes then "
+             "go with the old run), or choose another --output_dir")
+    outside = [name for name in files if not written_by_a_run(name)]
+    if outside:
+        fail(f"{path} lists {outside[0]!r}, which is not a file a run writes inside {folder}; a run that replaces "
+             "this one would remove it, so nothing was removed: delete that file, or choose another --output_dir")
+    return set(files)
 
 
 def remove_leftovers(output_dir: str):
     """What a kill during a save left (checkpoint.tmp, a model's .checkpoint_tmp, in the folder, its
-    .next_run or a model's subfolder) goes when the next run into the folder starts, whatever that run is:
-    for a real model each is a model's size. Call it with the folder locked."""
+    .next_run or a model's subfolder; a .<name>.tmp of written_whole) goes when the next run into the
+    folder starts, whatever that run is: for a real model each is a model's size. Call it with the folder
+    locked."""
     for folder in (output_dir, os.path.join(output_dir, NEXT_RUN)):
         if not os.path.isdir(folder):
             continue
@@ -712,18 +784,30 @@ def remove_leftovers(output_dir: str):
         for parent in (folder, *subfolders):
             for name in ("checkpoint.tmp", ".checkpoint_tmp"):
                 remove(os.path.join(parent, name))
+        for name in os.listdir(folder):  # a file written_whole was writing when the kill came
+            if name.startswith(".") and name.endswith(".tmp"):
+                remove(os.path.join(folder, name))
+
+
+RECORD = {"script": str, "model": str, "processes": int, "settings": dict, "inputs": dict}  # run_record's parts
 
 
 def _check_same_run(cfg, checkpoint: str, now: dict):
     """--resume continues the run it finds, as that run was set: another script's or model's
     checkpoint, an input whose files changed since the run started (the model pi_ref is read from,
     a reward model, the data), or a changed setting that shapes training, is refused; a changed
-    setting of RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step."""
+    setting of RESUME_MAY_CHANGE (or a new split of the same step batch) applies from the resumed step.
+    A record that is not whole (no inputs, say) is refused: what it does not hold is never read as unchanged."""
     try:
         with open(os.path.join(checkpoint, RUN_FILE)) as f:
             saved = json.load(f)
     except (OSError, ValueError):
         fail(f"{checkpoint} has no readable {RUN_FILE}, so it cannot say whose run it is: start a new run")
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(key), kind) for key, kind in RECORD.items()):
+        missing = "" if not isinstance(saved, dict) else next(key for key in RECORD if key not in saved)
+        fail(f"{os.path.join(checkpoint, RUN_FILE)} is not a whole record of its run"
+             + (f" (it has no {missing!r})" if missing else "") + ", so --resume cannot tell whether the run it would "
+             "continue was set and fed as this one: start a new run (--overwrite_output_dir true)")
     if saved["script"] != now["script"]:
         fail(f"the checkpoint in {checkpoint} is {saved['script']}'s, not {now['script']}'s: "
              f"resume it with {saved['script']}")
@@ -732,10 +816,12 @@ def _check_same_run(cfg, checkpoint: str, now: dict):
     if saved["processes"] != now["processes"]:
         fail(f"the checkpoint in {checkpoint} was written by {saved['processes']} processes, not {now['processes']}: "
              "resume with the same number")
-    for flag, before in saved.get("inputs", {}).items():  # (a checkpoint of an older version has none)
-        if now["inputs"].get(flag) != before:
+    for flag in sorted({*saved["inputs"], *now["inputs"]}):  # an input on one side only is a change too
+        if now["inputs"].get(flag) != saved["inputs"].get(flag):
             path = now["settings"].get(flag.removeprefix("--"))
             fail(f"--resume: {flag} {path} " + ("no longer exists" if flag not in now["inputs"] else
+                                                 "was not a local path when this run started" if flag not in
+                                                 saved["inputs"] else
                                                  "has changed since this run started (its files differ)")
                  + f", and continuing would mix two starts: put back the {flag} the run started from, "
                  "or start a new run (--overwrite_output_dir true)")
@@ -753,9 +839,10 @@ def _check_same_run(cfg, checkpoint: str, now: dict):
             tqdm.write(f"resume: --{key} {new[key]} (was {old.get(key)}) applies from here")
 
 
-def start_output_dir(run_dir: str):
-    """Create the folder this run writes into, lock it, and start an empty metrics.jsonl (rank 0).
-    A .next_run left by an earlier run that was stopped is cleared: this run replaces it too."""
+def start_output_dir(run_dir: str, metrics: bool = True):
+    """Create the folder this run writes into, lock it, and start an empty metrics.jsonl (rank 0; with
+    metrics=False none: best_of_n.py trains nothing). A .next_run left by an earlier run that was stopped
+    is cleared: this run replaces it too."""
     if not is_main_process():
         return
     output_dir = os.path.dirname(run_dir) if os.path.basename(run_dir) == NEXT_RUN else run_dir
@@ -765,7 +852,8 @@ def start_output_dir(run_dir: str):
         if run_dir != output_dir:
             remove(run_dir)
             os.makedirs(run_dir)
-        open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
+        if metrics:
+            open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
 
 
 def finish_output_dir(run_dir: str, cfg, record: dict):
@@ -786,17 +874,12 @@ def finish_output_dir(run_dir: str, cfg, record: dict):
 
 def _move_in(output_dir: str):
     """Replace the old run in output_dir by the finished one in .next_run. Repeatable: a kill in
-    the middle is completed by running it again. Only the old run's own files go (those its
+    the middle is completed by running it again. Only the old run's own files go (run_files: those its
     run.json lists, and any weights), never other files of the folder."""
     next_run = os.path.join(output_dir, NEXT_RUN)
-    with open(os.path.join(next_run, ".complete")) as f:
-        new = set(json.load(f)["files"])
+    new = run_files(next_run, ".complete")
     if os.path.exists(os.path.join(next_run, RUN_FILE)):  # the old run's files are still there: they go first
-        try:
-            with open(os.path.join(output_dir, RUN_FILE)) as f:
-                old = set(json.load(f)["files"])
-        except (OSError, ValueError, KeyError):  # a folder of an older version, or of another program
-            old = set()
+        old = run_files(output_dir)
         for name in sorted((old | set(WEIGHT_FILES)) - new):
             path = os.path.join(output_dir, name)
             remove(path)
@@ -840,12 +923,34 @@ def log_completions(output_dir: str, step: int, **columns):
 # ---------------------------------------------------------------------------------------------
 # eval.json and the PNG of the curves
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def written_whole(path: str):
+    """Write a file whole or not at all: yields a temporary name beside `path` (a dot name, which no run
+    lists), and once the write into it has finished, one rename puts it in place. A write that fails (a
+    full disk) leaves the file that was there whole and no torn one: one sentence (writing)."""
+    folder = os.path.dirname(path) or "."
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    with writing(os.path.basename(path), folder, temporary=temporary):
+        yield temporary
+        os.replace(temporary, path)
+
+
 def write_json(path: str, obj: dict):
     if not is_main_process():
         return
-    with writing(os.path.basename(path), os.path.dirname(path)), open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
+    with written_whole(path) as temporary:
+        with open(temporary, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+
+
+def save_figure(fig, path: str):
+    """A matplotlib figure to a PNG, written whole (written_whole), then closed."""
+    import matplotlib.pyplot as plt
+
+    with written_whole(path) as temporary:
+        fig.savefig(temporary, dpi=110, format="png")
+    plt.close(fig)
 
 
 def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
@@ -874,9 +979,7 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    with writing(name, output_dir):
-        fig.savefig(os.path.join(output_dir, name), dpi=110)
-    plt.close(fig)
+    save_figure(fig, os.path.join(output_dir, name))
     return name
 
 

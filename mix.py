@@ -47,6 +47,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how the two terms average th
 class Config(harness.RLConfig):
     """MIX's settings, then the GRPO settings it runs; the run's (model, data, batch, AdamW, evaluation,
     LoRA, ...) are harness.RLConfig's."""
+    LOSS_SCALES = ("beta",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
     expert_dataset: str = "data/expert.jsonl"
     """expert data: a jsonl file of chat `messages` (system / user / assistant), the last one the expert's answer"""
     mu: float = setting(0.1, lambda v: 0 <= v <= 1, "in [0, 1]")

@@ -46,6 +46,7 @@ from common import setting
 @dataclass
 class Config(harness.RLConfig):
     """PPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
+    LOSS_SCALES = ("kl_coef",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
     reward_model: str = "out/rm"
     """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")

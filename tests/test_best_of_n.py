@@ -87,7 +87,7 @@ def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
     for N, row in result["best_of_n"].items():
         assert row["gold"] == pytest.approx(result["pass@k"][N], abs=1e-12) == row["proxy"]
         assert row["kl"] == best_of_n.best_of_n_kl(int(N))
-    with pytest.raises(SystemExit, match="already holds an evaluation"):  # an evaluation is not replaced unasked
+    with pytest.raises(SystemExit, match="already holds a run"):  # an evaluation is not replaced unasked
         best_of_n.main(common.parse_config(best_of_n.Config, ["--model", sft_checkpoint, "--output_dir", out]))
 
 
@@ -156,3 +156,86 @@ def test_the_page_quotes_the_runs_along_training():
     assert (f"{span([run[1]['kl'] for run in dpo], '{:.3f}')} nats at step 20, where its accuracy had risen on every "
             f"seed, and {span([run[2]['kl'] for run in dpo], '{:.3f}')} nats at step 40, where it had fallen to "
             f"{span([100 * run[2]['gold'] for run in dpo], '{:.1f}%')}") in page
+
+
+# --- the output folder, as a training run has it ----------------------------------------------------------
+def _evaluate(model, out, *flags, seed="0"):
+    """A small best_of_n.py run (2 samples of 2 problems) in this process; what it printed."""
+    return run_main("best_of_n.py", "--model", str(model), "--num_samples", "2", "--num_eval_examples", "2",
+                    "--max_completion_length", "8", "--seed", seed, "--output_dir", str(out), *flags)
+
+
+@pytest.mark.parametrize("case", ["empty", "a file", "a file's child"])
+def test_the_output_folder_is_checked_before_any_sampling(saved_tiny, tmp_path, monkeypatch, case):
+    """An --output_dir that cannot be written is one sentence before the minutes of sampling, not a
+    traceback after them."""
+    (tmp_path / "a_file").write_text("x")
+    out = {"empty": "", "a file": str(tmp_path / "a_file"), "a file's child": str(tmp_path / "a_file" / "bon")}[case]
+    monkeypatch.setattr(best_of_n, "sample_and_judge", lambda *a, **k: pytest.fail("sampled before the check"))
+    with pytest.raises(SystemExit) as stop:
+        best_of_n.main(common.parse_config(best_of_n.Config, ["--model", str(saved_tiny[0]), "--output_dir", out]))
+    assert str(stop.value.code).startswith("error: --output_dir ") and "\n" not in str(stop.value.code)
+
+
+def test_a_second_evaluation_into_a_folder_being_written_is_refused(saved_tiny, tmp_path):
+    """Two evaluations started at once into one new folder: the first makes and locks it (here this
+    process, as far as prepare_output_dir), the second stops with one sentence instead of both saying
+    "written" and one result being lost."""
+    import harness
+    from conftest import run
+
+    out = str(tmp_path / "bon")
+    first = best_of_n.Config(output_dir=out, model=str(saved_tiny[0]))
+    assert harness.prepare_output_dir(first, {}) == out
+    second = run("best_of_n.py", "--model", str(saved_tiny[0]), "--num_samples", "2", "--num_eval_examples", "2",
+                 "--output_dir", out, check=False)
+    assert second.returncode == 1 and "Traceback" not in second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"error: another run is writing to {out}: wait for it to finish, or choose another --output_dir")
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("failing", ["eval.json", "best_of_n.png"])
+def test_a_failed_write_leaves_the_earlier_evaluation_whole(saved_tiny, tmp_path, monkeypatch, failing):
+    """A write that fails half-way (a full disk) while an evaluation replaces an earlier one: one sentence,
+    the earlier evaluation byte for byte as it was, no torn file and no temporary one left."""
+    import errno
+
+    import matplotlib.figure
+
+    out = tmp_path / "bon"
+    _evaluate(saved_tiny[0], out)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+
+    def half_then_full(write):
+        def wrapped(obj, target, *args, **kwargs):
+            with open(target if isinstance(target, (str, os.PathLike)) else target.name, "ab") as f:
+                f.write(b"{half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return wrapped
+
+    if failing == "eval.json":
+        monkeypatch.setattr(json, "dump", half_then_full(json.dump))
+    else:
+        monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, target, **k: half_then_full(None)(
+            fig, target))
+    with pytest.raises(AssertionError, match="could not write " + failing.replace(".", r"\.") + " to .*No space left"):
+        _evaluate(saved_tiny[0], out, "--overwrite_output_dir", "true", seed="1")
+    monkeypatch.undo()
+    visible = {name: (out / name).read_bytes() for name in os.listdir(out) if not name.startswith(".")}
+    assert visible == before
+    leftovers = [name for root, _, files in os.walk(out) for name in files if name.endswith(".tmp")]
+    assert leftovers == []
+
+
+def test_an_evaluation_over_another_scripts_run_replaces_it_whole(saved_tiny, sft_folder, tmp_path):
+    """best_of_n.py over a folder that holds an sft.py run (--overwrite_output_dir true): the old run goes
+    whole, and run.json lists exactly what the folder holds, not a file of each."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(sft_folder, out)
+    _evaluate(saved_tiny[0], out, "--overwrite_output_dir", "true")
+    record = json.loads((out / "run.json").read_text())
+    assert record["script"] == "best_of_n.py"
+    assert sorted(record["files"]) == sorted(os.listdir(out)) == ["best_of_n.png", "eval.json", "run.json"]

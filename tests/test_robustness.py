@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ import grpo
 import mix
 import ppo
 import reward_model
+import rft
 import sft
 from conftest import SFT_FOLDER_RUN, ROOT, assert_same_run, rotated_tokenizer, run, run_main, tiny_reward_model
 
@@ -135,6 +137,8 @@ CASES = [
     (["dpo.py"], ["--online", "true", "--steps_per_generation", "3", "--save_steps", "20"],
      "--save_steps 20 must be a multiple of --steps_per_generation 3, so that a checkpoint falls where new pairs"),
     (["dpo.py"], ["--steps_per_generation", "0"], "--steps_per_generation must be at least 1"),
+    (["dpo.py"], ["--online", "true", "--steps_per_generation", "5", "--save_steps", "5", "--max_steps", "3"],
+     "--steps_per_generation 5 samples the pairs of that many steps at once, more than the run's --max_steps 3"),
     (["dpo.py"], ["--undesirable_weight", "2"], "--undesirable_weight weighs KTO's loss: add --loss_type kto"),
     (["dpo.py"], ["--loss_type", "kto", "--desirable_weight", "0"], "--desirable_weight must be positive"),
     (["dpo.py"], ["--loss_type", "kto", "--online", "true", "--judge", "out/rm"],
@@ -197,6 +201,18 @@ CASES = [
      "--resume: --dataset data/demos has changed since this run started (its files differ), and continuing "
      "would mix two starts"),
     (ALL, ["--output_dir", "{dangling}"], "is a symbolic link to /nonexistent/disk/run, which does not exist"),
+    # a run folder whose own record (run.json, a checkpoint's run.json) cannot be trusted: copied from elsewhere
+    (ALL, ["--output_dir", "{tampered_up}"], "run.json lists '../victim', which is not a file a run writes inside"),
+    (ALL, ["--output_dir", "{tampered_abs}"], "which is not a file a run writes inside"),
+    (ALL, ["--output_dir", "{record_list}"], "run.json is not a record this repo writes (a list of the run's files)"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{no_inputs}"],
+     "checkpoint/run.json is not a whole record of its run (it has no 'inputs'), so --resume cannot tell"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{record_array}"],
+     "checkpoint/run.json is not a whole record of its run, so --resume cannot tell"),
+    # the evaluation's settings are the run's: they change what an RL run samples
+    (["sft.py"], [*SFT_RUN, "--eval_steps", "40", "--resume", "true"], "--eval_steps was 80, now 40"),
+    (["sft.py"], [*SFT_RUN, "--num_eval_examples", "16", "--resume", "true"], "--num_eval_examples was 8, now 16"),
+    (["sft.py"], [*SFT_RUN, "--eval_samples_per_problem", "2", "--resume", "true"], "--eval_samples_per_problem was 4"),
     # models that are not what their flag needs
     (["ppo.py"], ["--reward_model", "{critic}"], "critic is ppo.py's critic (a value model"),
     (["dpo.py"], ["--online", "true", "--judge", "{critic}"], "critic is ppo.py's critic (a value model"),
@@ -285,6 +301,23 @@ def bad_data(tmp_path_factory, sft_folder):
     (tmp / "changed_input" / "checkpoint" / "run.json").write_text(json.dumps(record))
     folders["changed_input"] = str(tmp / "changed_input")
     os.symlink("/nonexistent/disk/run", tmp / "dangling")
+    # finished sft.py runs whose run.json lists a folder outside the run, or is not a list at all
+    tampered = {"tampered_up": ["../victim"], "tampered_abs": [str(tmp / "victim")], "record_list": None}
+    for name, files in tampered.items():
+        shutil.copytree(sft_folder, tmp / name, ignore=shutil.ignore_patterns("checkpoint*"))
+        record = json.loads((tmp / name / "run.json").read_text())
+        (tmp / name / "run.json").write_text(json.dumps([] if files is None else
+                                                        {**record, "files": record["files"] + files}))
+        folders[name] = str(tmp / name)
+    write(tmp / "victim" / "notes.txt", "someone else's work")
+    # sft.py runs whose checkpoint's record has no inputs, or is not a record at all
+    for name in ("no_inputs", "record_array"):
+        shutil.copytree(sft_folder, tmp / name, ignore=shutil.ignore_patterns("*.safetensors", "state.pt"))
+        write(tmp / name / "checkpoint" / "state.pt", "a good state")
+        record = json.loads((tmp / name / "checkpoint" / "run.json").read_text())
+        record.pop("inputs")
+        (tmp / name / "checkpoint" / "run.json").write_text(json.dumps(record if name == "no_inputs" else []))
+        folders[name] = str(tmp / name)
     # ppo.py's critic (a scalar head, in the critic/ folder of a ppo.py run), and a reward model whose
     # tokenizer gives other ids than the policy's
     write(tmp / "ppo_run" / "run.json", json.dumps({"script": "ppo.py"}))
@@ -644,8 +677,8 @@ def crash_inside_the_move_in(monkeypatch, folder):
     third rename out of .next_run fails, not one of a save): .next_run is left marked complete."""
     renames, replace = [], os.replace
 
-    def crash_on_the_third(source, target):
-        if os.path.dirname(source) == os.path.join(folder, harness.NEXT_RUN):
+    def crash_on_the_third(source, target):  # (a file written whole inside .next_run is renamed there: not counted)
+        if os.path.dirname(source) == os.path.join(folder, harness.NEXT_RUN) and os.path.dirname(target) == folder:
             renames.append(target)
             if len(renames) == 3:
                 raise OSError("simulated crash")
@@ -946,3 +979,104 @@ def test_more_processes_than_gpus_is_one_sentence(monkeypatch):
         distributed.setup()
     assert str(stop.value.code) == ("error: torchrun started 2 processes on this machine, which has 1 GPU: each "
                                     "process needs a GPU of its own (torchrun --nproc_per_node 1)")
+
+
+# --- a run folder's own record, a stop at --resume, evaluation that moves training, a NaN's advice -------
+@pytest.mark.slow
+def test_a_copied_run_folder_whose_run_json_names_another_folder_deletes_nothing(sft_folder, tmp_path):
+    """A finished run's folder copied from someone else, its run.json listing ../victim: replacing that
+    run is refused in one sentence before any training, and the folder it names is untouched."""
+    victim, out = tmp_path / "victim", tmp_path / "copied"
+    write(victim / "notes.txt", "someone else's work")
+    shutil.copytree(sft_folder, out)
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "files": [*record["files"], "../victim"]}))
+    before = snapshot(str(out))
+    with pytest.raises(SystemExit) as stop:
+        sft.main(common.parse_config(sft.Config, ["--max_steps", "1", "--output_dir", str(out),
+                                                  "--overwrite_output_dir", "true"]))
+    assert str(stop.value.code) == (
+        f"error: {out / 'run.json'} lists '../victim', which is not a file a run writes inside {out}; a run that "
+        "replaces this one would remove it, so nothing was removed: delete that file, or choose another --output_dir")
+    assert (victim / "notes.txt").read_text() == "someone else's work" and snapshot(str(out)) == before
+
+
+@pytest.mark.slow
+def test_a_run_whose_run_json_was_deleted_leaves_none_of_its_files_after_an_overwrite(tmp_path):
+    """A GRPO-like run's folder without its run.json (deleted, or the run killed before its end):
+    the sft.py run that replaces it leaves none of the old run's files (its samples, its figure, its
+    checkpoint) and keeps the files no run writes."""
+    out = tmp_path / "out"
+    for name in ("completions.jsonl", "grpo.png", "metrics.jsonl", "eval.json", "checkpoint/state.pt"):
+        write(out / name, "the old run's")
+    write(out / "notes.txt", "mine")
+    run_main("sft.py", "--max_steps", "1", "--per_device_train_batch_size", "8", "--eval_on_start", "false",
+             "--num_eval_examples", "4", "--output_dir", str(out), "--overwrite_output_dir", "true")
+    record = json.loads((out / "run.json").read_text())
+    assert sorted(os.listdir(out)) == sorted([*record["files"], "notes.txt"])
+    assert not {"completions.jsonl", "grpo.png"} & set(os.listdir(out))
+    assert (out / "notes.txt").read_text() == "mine" and "the old run's" not in (out / "eval.json").read_text()
+
+
+@pytest.mark.slow
+def test_a_resumed_run_with_nothing_to_learn_stops_again_and_keeps_the_good_run(saved_tiny, tmp_path):
+    """rft.py over a good run, from a model that never writes the answer format: it stops with "nothing
+    was trained" and keeps the good run. --resume true on it stops the same way (the reason is in the
+    checkpoint) instead of saving the untrained model over the good run."""
+    out = tmp_path / "out"
+    write(out / "eval.json", '{"accuracy_greedy": 0.9}\n')
+    write(out / "run.json", json.dumps({"script": "rft.py", "files": ["eval.json", "run.json"]}))
+    args = ["--model", str(saved_tiny[0]), "--max_steps", "2", "--per_device_train_batch_size", "8",
+            "--max_completion_length", "8", "--eval_steps", "100", "--num_eval_examples", "8", "--output_dir", str(out)]
+    for flag in ("--overwrite_output_dir", "--resume"):
+        with pytest.raises(SystemExit) as stop:
+            rft.main(common.parse_config(rft.Config, [*args, flag, "true"]))
+        assert str(stop.value.code).startswith("error: nothing was trained in 2 steps: at each one, the checker")
+        assert (out / "eval.json").read_text() == '{"accuracy_greedy": 0.9}\n'
+        assert sorted(os.listdir(out)) == [".next_run", "eval.json", "run.json"]
+
+
+@pytest.mark.slow
+def test_the_evaluation_settings_change_an_rl_run_so_resume_refuses_them(sft_checkpoint, tmp_path):
+    """--eval_steps alone changes GRPO's trained weights (the sampled evaluation draws from the generator
+    the rollouts draw from), which is why --resume refuses an evaluation setting it did not start with."""
+    args = ["--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
+            "--num_generations", "4", "--num_eval_examples", "8", "--eval_on_start", "false"]
+    for every in ("1", "2"):
+        run_main("grpo.py", *args, "--eval_steps", every, "--output_dir", str(tmp_path / every))
+    a, b = (load_file(str(tmp_path / every / "model.safetensors")) for every in ("1", "2"))
+    assert any(not torch.equal(a[name], b[name]) for name in a)
+    with pytest.raises(SystemExit) as stop:
+        grpo.main(common.parse_config(grpo.Config, [*args, "--eval_steps", "2", "--max_steps", "2",
+                                                    "--output_dir", str(tmp_path / "1"), "--resume", "true"]))
+    assert "--eval_steps was 1, now 2: resume with the run's values" in str(stop.value.code)
+
+
+def test_kto_leaves_out_the_statistics_of_answers_a_batch_does_not_hold():
+    """A KTO batch with no desirable answer has no rewards/chosen (or logps/chosen, or margins): they are
+    left out of the metrics line, not logged as 0.0, which a curve would read as a log-prob of 0."""
+    rewards, logps, lengths = torch.tensor([0.5, -0.5]), torch.tensor([-3.0, -5.0]), torch.tensor([4, 6])
+    metrics = dpo.kto_metrics(rewards, logps, lengths, torch.zeros(2), torch.tensor(0.1))
+    assert not {"rewards/chosen", "logps/chosen", "rewards/margins"} & set(metrics)
+    assert metrics["rewards/rejected"] == 0.0 and metrics["logps/rejected"] == -4.0
+    pairs = dpo.step_metrics(torch.tensor([1.0, 2.0]), torch.tensor([-1.0, -2.0]), lengths, torch.zeros(1))
+    assert set(pairs) == {"completion_length"}  # every pair a tie: no pair statistics at all
+
+
+def test_a_loss_that_is_not_finite_before_any_update_does_not_blame_the_learning_rate(saved_tiny, tmp_path):
+    """Offline DPO with --beta 1e38: the gradient overflows at step 1, before any update, so the advice is
+    the setting that scales the loss, not the learning rate (the weights are still the starting model's)."""
+    with pytest.raises(SystemExit) as stop:
+        dpo.main(common.parse_config(dpo.Config, [
+            "--model", str(saved_tiny[0]), "--beta", "1e38", "--max_steps", "2", "--per_device_train_batch_size", "4",
+            "--eval_on_start", "false", "--num_eval_examples", "4", "--output_dir", str(tmp_path / "out")]))
+    text = str(stop.value.code)
+    assert text.startswith("error: step 1: the grad norm is ") and "learning_rate" not in text, text
+    assert text.endswith("a smaller --beta (here 1e+38, by default 0.1) usually helps (in a new run: "
+                         "--overwrite_output_dir true)"), text
+    helps = lambda updated, **settings: harness.Run.what_helps(  # noqa: E731
+        types.SimpleNamespace(cfg=grpo.Config(**settings), updated=updated))
+    assert helps(True) == "a lower --learning_rate usually helps"
+    assert helps(True, beta=1.0) == ("a smaller --beta (here 1, by default 0.04) or a lower --learning_rate "
+                                     "usually helps")
+    assert helps(False).startswith("no update had been applied yet")
