@@ -477,8 +477,8 @@ def main(cfg: Config):
         logps, rewards, entropy = torch.zeros(3, 2 * B)  # [2B] each, detached: for the metrics
         loss = 0.0
         for rows in micro_batches:
-            micro_logprobs, micro_entropy = rollout.completion_logprobs(
-                model, input_ids[rows], attention_mask[rows], T, temperature, with_entropy=True)  # [2b, T] each
+            micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
+                model, input_ids[rows], attention_mask[rows], T, temperature)  # [2b, T] each
             micro_logps = sequence_logprobs(micro_logprobs, answer_mask[rows])  # [2b]
             micro_losses, micro_rewards = pair_losses(  # [b] (KTO: [2b]), [2b]
                 cfg, micro_logps, ref_logps[rows] if ref_logps is not None else None, lengths[rows],

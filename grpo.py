@@ -243,51 +243,72 @@ def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="to
     return torch.exp(log_ratio)
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_sequences=None, step_tokens=None, epsilon_high=None, importance_sampling_level="token",
-              max_completion_length=None):
-    """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
+def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
+                   importance_sampling_level="token", cispo=False) -> torch.Tensor:
+    """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
         l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
 
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). The real tokens' losses
-    (mask) are then averaged by loss_type (TRL's names; docs/grpo.md's table says what each weighs):
-      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
-      'bnpo'    one mean over this micro-batch's tokens
-      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process)
-      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
-      'cispo'   no clip: -min(ratio, epsilon_high).detach() * A_i * logp, averaged as 'dapo' (MiniMax-M1)
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None when
-    beta == 0; padding never reaches the value or the gradient. At num_iterations 1, old_logprobs =
-    logprobs.detach(): the ratio is 1 and the step is -A * grad logp (plus the KL term). With gradient
-    accumulation, step_sequences and step_tokens are the whole step's counts, so the micro-batches'
-    losses and gradients add up to the step's ('bnpo' divides by the number of micro-batches)."""
+    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
+    l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
+    pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
+    when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
+    or the gradient."""
     mask = mask.bool()
-    # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
-    logprobs = torch.where(mask, logprobs, 0.0)
-    old_logprobs = torch.where(mask, old_logprobs, 0.0)
+    logprobs = torch.where(mask, logprobs, 0.0)  # padding zeroed first
+    old_logprobs = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
     A = advantages.unsqueeze(1)  # [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
-    if loss_type == "cispo":  # a capped, detached weight on the plain policy gradient
+    if cispo:  # a capped, detached weight on the plain policy gradient
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
         per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
-    per_token = torch.where(mask, per_token, 0.0)
-    sequences = len(mask) if step_sequences is None else step_sequences
+    return torch.where(mask, per_token, 0.0)
+
+
+def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=None) -> torch.Tensor:
+    """The loss from the losses of the real tokens (per_token, mask [N, T]), by loss_type (TRL's names;
+    docs/grpo.md's table says what each weighs):
+      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
+      'bnpo'    one mean over this micro-batch's tokens
+      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process);
+                'cispo' averages so too
+      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
+    step_mask: the whole step's mask when these rows are one micro-batch of it (gradient accumulation):
+    its counts divide, so the micro-batches' losses and gradients add up to the step's ('bnpo' divides
+    by the number of micro-batches); under torchrun the tokens are those of every process."""
+    mask = mask.bool()
+    step_mask = mask if step_mask is None else step_mask
+    sequences = len(step_mask)
     if loss_type == "grpo":
         per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
         return per_sequence.sum() / sequences
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
-        return per_token.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
+    if loss_type in ("dapo", "cispo"):
+        return per_token.sum() / common.mean_denominator(step_mask)
     if loss_type == "dr_grpo":
         return per_token.sum() / (sequences * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
+              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None):
+    """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
+    (aggregate). The arguments are theirs."""
+    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
+                               importance_sampling_level, cispo=loss_type == "cispo")  # [N, T]
+    return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
+
+
+def rows_of(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """A micro-batch's rows of a pass's log-probs; None (not computed: pi_old = pi, or no reference) stays None."""
+    return None if values is None else values[rows]
 
 
 def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -338,14 +359,49 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
     }
 
 
+def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm, learning_rate, cfg,
+             rounds=None) -> tuple[dict, dict]:
+    """Step 6, run.log's two arguments: the step's metrics (its loss, step_metrics, the gradient's norm
+    before clipping, the learning rate; with dynamic sampling its rounds and kept groups) and what the
+    policy wrote (completions.jsonl's columns). old_logprobs None: pi_old = pi."""
+    old = old_logprobs if old_logprobs is not None else logprobs
+    metrics = {"loss": loss.item(),
+               **step_metrics(batch.rewards_per_func, batch.completion_mask, logprobs, old, ref_logprobs, advantages,
+                              cfg, entropy),
+               "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
+               **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
+                   cfg.num_generations} if rounds is not None else {})}
+    completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),
+                   **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
+                      for i, f in enumerate(REWARD_FUNCS)}}
+    return metrics, completions
+
+
 # ---------------------------------------------------------------------------------------------
 # Steps 1 and 2, and DAPO's dynamic sampling
 # ---------------------------------------------------------------------------------------------
-def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
+@dataclass
+class Rollout:
+    """Steps 1 and 2 for N rows (B prompts x G samples, groups contiguous): the text, the token ids
+    the passes read, and each reward function's reward."""
+    prompts: list[str]  # [N]
+    completions: list[str]  # [N], decoded
+    prompt_ids: torch.Tensor  # [N, P], left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T], right-padded
+    completion_mask: torch.Tensor  # [N, T]: 1 on the sampled tokens, the EOS included
+    rewards_per_func: torch.Tensor  # [N, F]
+
+    def select(self, keep: list[bool]) -> "Rollout":
+        """The rows where keep is True."""
+        return Rollout([p for p, k in zip(self.prompts, keep) if k], [c for c, k in zip(self.completions, keep) if k],
+                       self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[keep],
+                       self.completion_mask[keep], self.rewards_per_func[keep])
+
+
+def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
     """Steps 1 and 2 for the B prompts of step_data ({column: [B values]}): G completions of each,
-    groups contiguous, then their rewards. Returns the rows [B*G, ...]: prompts, completions, the
-    rollout's prompt_ids, prompt_mask [B*G, P], completion_ids, completion_mask [B*G, T], and
-    rewards_per_func [B*G, F]."""
+    groups contiguous, then their rewards."""
     G = cfg.num_generations
     # 1. Rollout: G samples of each of B prompts, groups contiguous.
     prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
@@ -356,44 +412,44 @@ def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
     # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
     columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
     rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
-    return dict(prompts=prompts, completions=completions, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                completion_ids=completion_ids, completion_mask=completion_mask, rewards_per_func=rewards_per_func)
+    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, rewards_per_func)
 
 
-def dynamic_sampling(batch: dict, sample_more, group_size: int, num_groups: int, max_rounds: int,
-                     pad_token_id: int) -> tuple[dict, int]:
+NO_SPREAD = ("dynamic sampling found no group whose rewards differ in --max_sampling_rounds rounds (more rounds, a "
+             "higher --temperature, or problems the policy solves sometimes give some)")
+
+
+def dynamic_sampling(batch: Rollout, sample_more, group_size: int, num_groups: int, max_rounds: int,
+                     pad_token_id: int) -> tuple[Rollout | None, int]:
     """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): a group whose G rewards are all equal
     has every advantage 0, so no policy gradient: drop it, and call sample_more() (steps 1 and 2 on
     new prompts) until num_groups groups with spread are found, at most max_rounds rollouts in all.
     Under torchrun every process runs as many rounds as the slowest needs and keeps as many groups
-    as the poorest found, so their passes stay in step. Returns the kept rows (sample_and_score's
-    layout; at most num_groups x G, possibly none) and the number of rounds."""
-    def with_spread(part: dict) -> dict:  # one round's groups whose rewards differ
-        grouped = part["rewards_per_func"].sum(dim=1).view(-1, group_size)  # [B, G]
-        keep = (grouped != grouped[:, :1]).any(dim=1).repeat_interleave(group_size).tolist()  # [B*G]
-        return {key: [v for v, k in zip(values, keep) if k] if isinstance(values, list) else values[keep]
-                for key, values in part.items()}
-
-    def groups_in(parts: list) -> int:
-        return sum(len(part["prompts"]) for part in parts) // group_size
+    as the poorest found, so their passes stay in step. Returns the kept rows (at most num_groups x
+    G; None when no round had a group with spread: NO_SPREAD says so) and the number of rounds."""
+    def with_spread(part: Rollout) -> Rollout:  # one round's groups whose rewards differ
+        grouped = part.rewards_per_func.sum(dim=1).view(-1, group_size)  # [B, G]
+        return part.select((grouped != grouped[:, :1]).any(dim=1).repeat_interleave(group_size).tolist())
 
     kept, rounds = [with_spread(batch)], 1
-    while rounds < max_rounds and common.global_sum(int(groups_in(kept) < num_groups)) > 0:
+    groups = lambda: sum(len(part.prompts) for part in kept) // group_size  # noqa: E731
+    while rounds < max_rounds and common.global_sum(int(groups() < num_groups)) > 0:
         kept.append(with_spread(sample_more()))
         rounds += 1
-    num_rows = common.global_min(min(groups_in(kept), num_groups)) * group_size  # the same on every process
+    num_rows = common.global_min(min(groups(), num_groups)) * group_size  # the same on every process
+    if num_rows == 0:
+        return None, rounds
 
     def stack(key: str, left: bool, value: int = 0) -> torch.Tensor:  # padded to the widest round, then cut
-        width = max(part[key].shape[1] for part in kept)
-        return torch.cat([F.pad(part[key], (width - part[key].shape[1], 0) if left else
-                                (0, width - part[key].shape[1]), value=value) for part in kept])[:num_rows]
+        width = max(getattr(part, key).shape[1] for part in kept)
+        return torch.cat([F.pad(getattr(part, key), (width - getattr(part, key).shape[1], 0) if left else
+                                (0, width - getattr(part, key).shape[1]), value=value) for part in kept])[:num_rows]
 
-    return dict(prompts=[p for part in kept for p in part["prompts"]][:num_rows],
-                completions=[c for part in kept for c in part["completions"]][:num_rows],
-                prompt_ids=stack("prompt_ids", True, pad_token_id), prompt_mask=stack("prompt_mask", True),
-                completion_ids=stack("completion_ids", False, pad_token_id),
-                completion_mask=stack("completion_mask", False),
-                rewards_per_func=torch.cat([part["rewards_per_func"] for part in kept])[:num_rows]), rounds
+    return Rollout([p for part in kept for p in part.prompts][:num_rows],
+                   [c for part in kept for c in part.completions][:num_rows],
+                   stack("prompt_ids", True, pad_token_id), stack("prompt_mask", True),
+                   stack("completion_ids", False, pad_token_id), stack("completion_mask", False),
+                   torch.cat([part.rewards_per_func for part in kept])[:num_rows]), rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,71 +486,57 @@ def main(cfg: Config):
         if cfg.dynamic_sampling:  # DAPO: keep the groups whose rewards differ, sampling more prompts to fill B
             batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
                                              G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
-            if not batch["prompts"]:  # no group with spread in any round: nothing to learn from this step
-                run.nothing_to_learn("dynamic sampling found no group whose rewards differ in --max_sampling_rounds "
-                                     "rounds (more rounds, a higher --temperature, or problems the policy solves "
-                                     "sometimes give some)")
+            if batch is None:  # nothing to learn from this step
+                run.nothing_to_learn(NO_SPREAD)
                 run.log({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
                 continue
-        prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = (
-            batch[key] for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
-        rewards = rewards_per_func.sum(dim=1)  # [B*G]
+        rewards = batch.rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
         advantages = advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)  # [B*G]
         # The tokens that carry loss [B*G, T]: every real one, or (DAPO) none of a completion that was cut off.
-        loss_mask = (drop_truncated(completion_ids, completion_mask, tokenizer.eos_token_id)
-                     if cfg.mask_truncated_completions else completion_mask)
+        loss_mask = (drop_truncated(batch.completion_ids, batch.completion_mask, tokenizer.eos_token_id)
+                     if cfg.mask_truncated_completions else batch.completion_mask)
 
         # 4. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G, P+T]
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G, P+T]
-        T = completion_ids.shape[1]
-        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
-        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
-        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        step_sequences, step_tokens = len(input_ids), common.mean_denominator(loss_mask)
-        ref_logprobs = old_logprobs = None  # [B*G, T] each, where needed
+        input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B*G, P+T]
+        attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B*G, P+T]
+        T = batch.completion_ids.shape[1]
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
+        ref_logprobs = old_logprobs = None  # [B*G, T] each, where needed; None: not computed
         if cfg.beta > 0:
             with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
                 ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
                                                  cfg.temperature, micro_batches=micro_batches)
-        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: step 5 reuses its own log-probs
+        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: grpo_loss uses pi's own log-probs
             old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
                                              cfg.temperature, micro_batches=micro_batches)
 
         # 5. num_iterations gradient steps on the clipped objective with the KL penalty.
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            (logprobs, entropy), loss = torch.zeros(2, *completion_mask.shape, device=completion_mask.device), 0.0
-            for rows in micro_batches:
-                micro_logprobs, entropy[rows] = rollout.completion_logprobs(
-                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [n, T] each
-                micro_loss = grpo_loss(
-                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
-                    ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], loss_mask[rows],
-                    clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                    importance_sampling_level=cfg.importance_sampling_level,
-                    max_completion_length=cfg.max_completion_length, step_sequences=step_sequences,
-                    step_tokens=step_tokens)
+            loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's counts, add up to it
+            logprobs = torch.zeros_like(loss_mask, dtype=torch.float)  # [B*G, T], for the metrics
+            entropy = torch.zeros_like(logprobs)  # [B*G, T]
+            for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
+                micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
+                micro_loss = grpo_loss(micro_logprobs, rows_of(old_logprobs, rows), rows_of(ref_logprobs, rows),
+                                       advantages[rows], loss_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type,
+                                       step_mask=loss_mask, epsilon_high=cfg.epsilon_high,
+                                       importance_sampling_level=cfg.importance_sampling_level,
+                                       max_completion_length=cfg.max_completion_length)
                 micro_loss.backward()  # gradients add up over the micro-batches
-                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
+                loss = loss + micro_loss.detach()
+                logprobs[rows] = micro_logprobs.detach()
             grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
             optimizer.step()
             scheduler.step()
 
         # 6. Metrics, and what the policy wrote (completions.jsonl).
-        old = old_logprobs if old_logprobs is not None else logprobs
-        run.log({"loss": loss.item(),
-                 **step_metrics(rewards_per_func, completion_mask, logprobs, old, ref_logprobs, advantages, cfg,
-                                entropy),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-                 **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(prompts) // G}
-                    if cfg.dynamic_sampling else {})},
-                completions={"prompt": prompts, "completion": completions, "advantage": advantages.tolist(),
-                             **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
-                                for i, f in enumerate(REWARD_FUNCS)}})
+        run.log(*step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm,
+                          scheduler.get_last_lr()[0], cfg, rounds if cfg.dynamic_sampling else None))
+        run.end_step()  # 7. When due: evaluate, write the metrics line, save a checkpoint.
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

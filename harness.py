@@ -7,11 +7,12 @@ final save. A script makes one Run; its loop holds the algorithm and these calls
     run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, folder, torchrun
     model = run.prepare(model)                            # checkpointing, LoRA, device; DDP: rank 0's weights
     run.shard(model, ref_model)                           # --fsdp: 1/N of each model on each process
-    for step in run.steps([model], [optimizer], [scheduler], evaluate):   # resume, evaluate, save, progress bar
+    for step in run.steps([model], [optimizer], [scheduler], evaluate):   # resume, progress bar
         ...                                               # the algorithm: rollout, rewards, loss, loss.backward()
         grad_norm = run.clip_gradients(model, loss)       # DDP average, clip; a NaN or inf stops the run here
         optimizer.step()
-        run.log(metrics)                                  # metrics.jsonl (+ time/*); DDP: the mean over processes
+        run.log(metrics)                                  # the step's metrics (+ time/*); DDP: the mean over processes
+        run.end_step()                                    # evaluate, write the metrics line, save: when due
     run.finish(tokenizer, {"": model}, plots, "GRPO")     # the model, eval.json, the PNG; the folder moves in
 
 None of it changes what a step computes: the same seed gives the same numbers with any of it.
@@ -214,12 +215,12 @@ class Run:
     def steps(self, models, optimizers, schedulers, evaluate, state: dict | None = None):
         """The steps of the run, 1 .. --max_steps (from the checkpoint's with --resume), with a
         progress bar. Before the first: the output folder is started, or the checkpoint restored;
-        evaluate() runs at step 0 with --eval_on_start. After each step: evaluate() runs every
-        --eval_steps and at the last step, the step's metrics line is written, and every
-        --save_steps and at the end a resumable checkpoint holds the models, optimizers,
-        schedulers, every random generator and `state` (the script's own values that change as it
-        trains, such as PPO's kl_coef; restored in place on --resume).
-        evaluate() returns held-out scores {name: value, ..., "n": count}, logged as eval/<name>."""
+        evaluate() runs at step 0 with --eval_on_start. Each step ends with end_step(), the loop's
+        last line (called here for a step the loop left early with `continue`); its resumable
+        checkpoints hold the models, optimizers, schedulers, every random generator and `state`
+        (the script's own values that change as it trains, such as PPO's kl_coef; restored in place
+        on --resume). evaluate() returns held-out scores {name: value, ..., "n": count}, logged as
+        eval/<name>."""
         cfg = self.cfg
         self.evaluate, self.state = evaluate, state if state is not None else {}
         self.training_state = dict(models=models, optimizers=optimizers, schedulers=schedulers, rng=self.rng)
@@ -238,15 +239,17 @@ class Run:
                 self.initial = self.scores = scores = evaluate()
                 log_metrics(self.dir, {"step": 0, **self._eval_metrics(0, scores)})
         script = os.path.basename(inspect.getfile(type(cfg))).removesuffix(".py")
-        progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
-                        desc=script, dynamic_ncols=True, disable=not show_progress())
-        for step in progress:
+        self.progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
+                             desc=script, dynamic_ncols=True, disable=not show_progress())
+        for step in self.progress:
             self.step, self.metrics, self.sample, self.weights_gave_finite_values = step, {}, None, False
             self.step_had_signal = True
             self.step_started = time.perf_counter()
             rollout.seconds.clear()
+            self.step_ended = False
             yield step
-            self._end_step(progress)
+            if not self.step_ended:  # the loop went on to the next step without its last line
+                self.end_step()
 
     def clip_gradients(self, model, loss) -> torch.Tensor:
         """After backward(): the gradients averaged over processes (DDP; FSDP averaged them in the
@@ -256,7 +259,7 @@ class Run:
         distributed.average_gradients(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
         check_finite(self.step, self.dir, advice=self.what_helps(), grad_norm=grad_norm, loss=loss)
-        self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (_end_step)
+        self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (end_step)
         self.updated = True  # the script applies this update next
         return grad_norm
 
@@ -329,8 +332,12 @@ class Run:
         log(f"saved to {self.cfg.output_dir}; held-out {change} (n={self.scores['n']}); "
             f"curves in {os.path.join(self.cfg.output_dir, png)}")
 
-    def _end_step(self, progress):
-        """After the loop's body: evaluate if due, write the step's metrics line, save if due."""
+    def end_step(self):
+        """The work after a step's update, the loop's last line: evaluate() every --eval_steps and at
+        the last step; the step's metrics line (every --logging_steps, with the evaluation's scores);
+        the last save's checkpoint promoted once this step's weights gave finite values; a resumable
+        checkpoint every --save_steps and at the end (after the evaluation: a resume repeats nothing)."""
+        self.step_ended = True
         cfg, step = self.cfg, self.step
         self.learned_steps += self.step_had_signal
         last = step == cfg.max_steps
@@ -344,7 +351,7 @@ class Run:
                 log(f"  sample: {sample['prompt']!r} -> {sample['completion']!r} ({scores})")
         if line:
             log_metrics(self.dir, {"step": step, **line})
-        progress.set_postfix(**self.progress_postfix)
+        self.progress.set_postfix(**self.progress_postfix)
         if self.weights_gave_finite_values and is_main_process():  # the last save's weights gave finite values
             promote_checkpoint(self.dir)
         if step % cfg.save_steps == 0 or last:  # after this step's evaluation: a resume repeats nothing

@@ -135,26 +135,15 @@ def append_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, exampl
             torch.cat([right(completion_mask, 0), right(new_mask, 0)]))
 
 
-def sft_loss(logprobs, mask, loss_type="grpo", step_sequences=None, step_tokens=None, max_completion_length=None):
+def sft_loss(logprobs, mask, loss_type="grpo", step_mask=None, max_completion_length=None):
     """Note 001's auxiliary objective as a loss: the negative log-likelihood of the expert tokens,
         'grpo': -(1/B') sum_b (1/T'_b) sum_t log pi(o'_bt | q'_b, o'_b<t)   (note 001's formula)
         'dapo': -sum_bt log pi(o'_bt | ...) / sum_b T'_b                   (sft.py's sft_loss)
         'bnpo', 'dr_grpo': grpo_loss's rules (a micro-batch's token mean; the token sum / (B' x T_max))
-    logprobs, mask [B', T]: the expert rows only; padding never counts. step_sequences, step_tokens:
-    the whole step's counts when these rows are one micro-batch of it (gradient accumulation)."""
-    mask = mask.bool()
-    nll = torch.where(mask, -logprobs, 0.0)  # [B', T]
-    sequences = len(mask) if step_sequences is None else step_sequences
-    if loss_type == "grpo":
-        per_answer = nll.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B']
-        return per_answer.sum() / sequences
-    if loss_type == "bnpo":
-        return nll.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type == "dapo":  # under torchrun: the global batch's tokens
-        return nll.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
-    if loss_type == "dr_grpo":
-        return nll.sum() / (sequences * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    averaged as GRPO's term is (aggregate). logprobs, mask [B', T]: the expert rows only; padding never
+    counts. step_mask: the whole step's expert rows when these are one micro-batch of it."""
+    nll = torch.where(mask.bool(), -logprobs, 0.0)  # [B', T]
+    return aggregate(nll, mask, loss_type, step_mask, max_completion_length)
 
 
 def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
@@ -165,21 +154,21 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
     clipped ratio times its group advantage, plus the KL penalty. An expert row (True) is an
     expert's answer, never sampled from pi: only its negative log-likelihood counts (no advantage,
     no ratio, and no KL: k3 estimates KL(pi || pi_ref) only on tokens pi sampled). A term with no
-    rows is 0. logprobs, old_logprobs, ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
+    rows is 0. logprobs, old_logprobs (None: pi_old = pi), ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
     whole step's (mask, expert_mask) when these rows are one micro-batch of it, so each term is
     divided by the step's counts. Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
     KL's place, the micro-batch weights): docs/mix.md."""
     usual = ~expert_mask
     step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
-    step_usual = (int((~step_is_expert).sum()), common.mean_denominator(step_mask[~step_is_expert]))  # (rows, tokens)
-    step_expert = (int(step_is_expert.sum()), common.mean_denominator(step_mask[step_is_expert]))
     grpo_term = sft_term = logprobs.new_zeros(())
     if usual.any():
+        old = old_logprobs[usual] if old_logprobs is not None else None  # None: pi_old = pi
         ref = ref_logprobs[usual] if ref_logprobs is not None else None
-        grpo_term = grpo_loss(logprobs[usual], old_logprobs[usual], ref, advantages[usual], mask[usual], clip_eps, beta,
-                              loss_type, *step_usual, epsilon_high, max_completion_length=max_completion_length)
+        grpo_term = grpo_loss(logprobs[usual], old, ref, advantages[usual], mask[usual], clip_eps, beta, loss_type,
+                              step_mask[~step_is_expert], epsilon_high, max_completion_length=max_completion_length)
     if expert_mask.any():
-        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, *step_expert, max_completion_length)
+        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, step_mask[step_is_expert],
+                            max_completion_length)
     return (1 - mu) * grpo_term + mu * sft_term
 
 
@@ -199,6 +188,23 @@ def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, exp
         "usual/num_rows": int(usual.sum()),
         "expert/num_rows": int(expert_mask.sum()),
     }
+
+
+def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy, completion_mask, loss,
+             grad_norm, learning_rate, cfg) -> tuple[dict, dict]:
+    """Step 6, run.log's two arguments: the metrics (the loss, grpo.py's step_metrics on the rollouts, the grad
+    norm, the learning rate, mix_metrics) and the rollouts' completions.jsonl columns. old_logprobs None: pi."""
+    old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
+    metrics = {"loss": loss.item(),
+               **step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
+                              ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
+                              entropy[usual]),
+               "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
+               **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg)}
+    completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages[usual].tolist(),
+                   **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
+                      for i, f in enumerate(REWARD_FUNCS)}}
+    return metrics, completions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,8 +237,7 @@ def main(cfg: Config):
         # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
         step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         batch = sample_and_score(model, tokenizer, step_data, cfg)
-        prompts, completions, rewards_per_func = batch["prompts"], batch["completions"], batch["rewards_per_func"]
-        rewards = rewards_per_func.sum(dim=1)  # [B*G]
+        rewards = batch.rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
         advantages = group_advantages(rewards, G).to(run.device)  # [B*G]
@@ -240,7 +245,7 @@ def main(cfg: Config):
         # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
         expert_rows = [expert_examples[i] for i in run.rng.sample(range(len(expert_examples)), num_expert)]
         prompt_ids, prompt_mask, completion_ids, completion_mask = append_rows(
-            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], expert_rows,
+            batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, expert_rows,
             tokenizer.pad_token_id)  # [B*G+E, P], [B*G+E, P], [B*G+E, T], [B*G+E, T]
         expert_mask = torch.arange(len(completion_ids), device=run.device) >= len(rewards)  # [B*G+E], True: expert
         advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows, which the SFT term ignores
@@ -249,48 +254,42 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
         T = completion_ids.shape[1]
-        # Gradient accumulation: every pass runs one micro-batch of rows at a time (memory), and the
-        # losses are normalised by the whole step's counts, so the gradients add up to the step's.
-        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # row indices
-        ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
+        ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed; None: not computed
         if cfg.beta > 0:
             with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
                 ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
                                                  cfg.temperature, micro_batches=micro_batches)
-        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: step 5 reuses its own log-probs
+        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: mix_loss uses pi's own log-probs
             old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
                                              cfg.temperature, micro_batches=micro_batches)
 
         # 5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows).
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
-            (logprobs, entropy), loss = torch.zeros(2, *completion_mask.shape, device=completion_mask.device), 0.0
-            for rows in micro_batches:
-                micro_logprobs, entropy[rows] = rollout.completion_logprobs(
-                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)  # [n, T] each
+            loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's counts, add up to it
+            logprobs = torch.zeros_like(completion_mask, dtype=torch.float)  # [B*G+E, T], for the metrics
+            entropy = torch.zeros_like(logprobs)  # [B*G+E, T]
+            for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
+                micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
                 micro_loss = mix_loss(
-                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach(),
+                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else None,
                     ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], completion_mask[rows],
                     expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                     loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
                     step_masks=(completion_mask, expert_mask))
                 micro_loss.backward()  # gradients add up over the micro-batches
-                logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
+                loss = loss + micro_loss.detach()
+                logprobs[rows] = micro_logprobs.detach()
             grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
             optimizer.step()
             scheduler.step()
 
         # 6. Metrics: grpo.py's on the usual rows (the rollouts), and MIX's terms; what the policy wrote.
-        old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
-        run.log({"loss": loss.item(),
-                 **step_metrics(rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
-                                ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
-                                entropy[usual]),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-                 **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg)},
-                completions={"prompt": prompts, "completion": completions, "advantage": advantages[usual].tolist(),
-                             **{f"rewards/{f.__name__}": rewards_per_func[:, i].tolist()
-                                for i, f in enumerate(REWARD_FUNCS)}})
+        run.log(*step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
+                          completion_mask, loss, grad_norm, scheduler.get_last_lr()[0], cfg))
+        run.end_step()  # 7. When due: evaluate, write the metrics line, save a checkpoint.
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
@@ -373,51 +372,67 @@ def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="to
     return torch.exp(log_ratio)
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_sequences=None, step_tokens=None, epsilon_high=None, importance_sampling_level="token",
-              max_completion_length=None):
-    """The GRPO objective of notes 002 / 004, as a loss to minimise. Per token t of completion i:
+def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
+                   importance_sampling_level="token", cispo=False) -> torch.Tensor:
+    """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
         l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
 
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). The real tokens' losses
-    (mask) are then averaged by loss_type (TRL's names; docs/grpo.md's table says what each weighs):
-      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
-      'bnpo'    one mean over this micro-batch's tokens
-      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process)
-      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
-      'cispo'   no clip: -min(ratio, epsilon_high).detach() * A_i * logp, averaged as 'dapo' (MiniMax-M1)
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None when
-    beta == 0; padding never reaches the value or the gradient. At num_iterations 1, old_logprobs =
-    logprobs.detach(): the ratio is 1 and the step is -A * grad logp (plus the KL term). With gradient
-    accumulation, step_sequences and step_tokens are the whole step's counts, so the micro-batches'
-    losses and gradients add up to the step's ('bnpo' divides by the number of micro-batches)."""
+    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
+    l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
+    pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
+    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
+    when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
+    or the gradient."""
     mask = mask.bool()
-    # Zero the padded positions first: junk there (even inf/nan) then cannot leak into gradients.
-    logprobs = torch.where(mask, logprobs, 0.0)
-    old_logprobs = torch.where(mask, old_logprobs, 0.0)
+    logprobs = torch.where(mask, logprobs, 0.0)  # padding zeroed first
+    old_logprobs = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
     A = advantages.unsqueeze(1)  # [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
-    if loss_type == "cispo":  # a capped, detached weight on the plain policy gradient
+    if cispo:  # a capped, detached weight on the plain policy gradient
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
         per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
-    per_token = torch.where(mask, per_token, 0.0)
-    sequences = len(mask) if step_sequences is None else step_sequences
+    return torch.where(mask, per_token, 0.0)
+
+
+def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=None) -> torch.Tensor:
+    """The loss from the losses of the real tokens (per_token, mask [N, T]), by loss_type (TRL's names;
+    docs/grpo.md's table says what each weighs):
+      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
+      'bnpo'    one mean over this micro-batch's tokens
+      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process);
+                'cispo' averages so too
+      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
+    step_mask: the whole step's mask when these rows are one micro-batch of it (gradient accumulation):
+    its counts divide, so the micro-batches' losses and gradients add up to the step's ('bnpo' divides
+    by the number of micro-batches); under torchrun the tokens are those of every process."""
+    mask = mask.bool()
+    step_mask = mask if step_mask is None else step_mask
+    sequences = len(step_mask)
     if loss_type == "grpo":
         per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
         return per_sequence.sum() / sequences
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type in ("dapo", "cispo"):  # under torchrun: the global batch's tokens
-        return per_token.sum() / (step_tokens if step_tokens is not None else common.mean_denominator(mask))
+    if loss_type in ("dapo", "cispo"):
+        return per_token.sum() / common.mean_denominator(step_mask)
     if loss_type == "dr_grpo":
         return per_token.sum() / (sequences * max_completion_length)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
+              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None):
+    """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
+    (aggregate). The arguments are theirs."""
+    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
+                               importance_sampling_level, cispo=loss_type == "cispo")  # [N, T]
+    return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
 
 
 def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -468,11 +483,28 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
     }
 
 
-def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
+@dataclass
+class Rollout:
+    """Steps 1 and 2 for N rows (B prompts x G samples, groups contiguous): the text, the token ids
+    the passes read, and each reward function's reward."""
+    prompts: list[str]  # [N]
+    completions: list[str]  # [N], decoded
+    prompt_ids: torch.Tensor  # [N, P], left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T], right-padded
+    completion_mask: torch.Tensor  # [N, T]: 1 on the sampled tokens, the EOS included
+    rewards_per_func: torch.Tensor  # [N, F]
+
+    def select(self, keep: list[bool]) -> "Rollout":
+        """The rows where keep is True."""
+        return Rollout([p for p, k in zip(self.prompts, keep) if k], [c for c, k in zip(self.completions, keep) if k],
+                       self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[keep],
+                       self.completion_mask[keep], self.rewards_per_func[keep])
+
+
+def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
     """Steps 1 and 2 for the B prompts of step_data ({column: [B values]}): G completions of each,
-    groups contiguous, then their rewards. Returns the rows [B*G, ...]: prompts, completions, the
-    rollout's prompt_ids, prompt_mask [B*G, P], completion_ids, completion_mask [B*G, T], and
-    rewards_per_func [B*G, F]."""
+    groups contiguous, then their rewards."""
     G = cfg.num_generations
     # 1. Rollout: G samples of each of B prompts, groups contiguous.
     prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
@@ -483,8 +515,7 @@ def sample_and_score(model, tokenizer, step_data: dict, cfg) -> dict:
     # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
     columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
     rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
-    return dict(prompts=prompts, completions=completions, prompt_ids=prompt_ids, prompt_mask=prompt_mask,
-                completion_ids=completion_ids, completion_mask=completion_mask, rewards_per_func=rewards_per_func)
+    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, rewards_per_func)
 
 
 if __name__ == "__main__":

@@ -305,8 +305,8 @@ class Pass(NamedTuple):
 
 
 def training_pass(actor, critic, input_ids, attention_mask, num_completion_tokens: int, temperature: float) -> Pass:
-    logprobs, entropy = rollout.completion_logprobs(actor, input_ids, attention_mask, num_completion_tokens,
-                                                    temperature, with_entropy=True)
+    logprobs, entropy = rollout.completion_logprobs_and_entropy(actor, input_ids, attention_mask,
+                                                                num_completion_tokens, temperature)
     return Pass(logprobs, entropy, critic_values(critic, input_ids, attention_mask, num_completion_tokens))
 
 
@@ -484,6 +484,7 @@ def main(cfg: Config):
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
                                                 B * run.world_size)
+        run.end_step()  # 7. when due: evaluate, write the metrics line, save a checkpoint
 
     run.finish(tokenizer, {"": actor, "critic": critic},
                {"reward model score": ["score", "eval/score"],

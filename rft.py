@@ -122,6 +122,7 @@ def main(cfg: Config):
                  "kept": kept.float().mean().item(), "completion_length": completion_mask.sum(1).float().mean().item(),
                  "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
                 completions={"prompt": prompts, "completion": completions, "accepted": accepted.tolist()})
+        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
 
     run.finish(tokenizer, {"": model}, {"accepted and kept": ["accuracy", "kept"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

@@ -20,11 +20,9 @@ step with a switch that turns it off (tests/test_rollout.py checks that each cha
                                        graph (on by default on a GPU only: decode_static)
   completion_logprobs  length_chunks   rows sorted by length, each chunk cut to its longest completion
                        share_prompts   as in generate: each prompt once for all the chunks, then only the completions
-  gather_logprobs      LabelLogprob    its gradient written into one [N, T, V] buffer (no switch:
-                                       tests/test_math.py checks it against the plain expression, to the bit)
-With share_prompts=False, drop_finished=False, grow_in_place=False, static_cache=False, length_chunks=1 they are the
-textbook loop and the one forward pass (tiny-grpo's). We keep one copy of this file rather than one per script: the
-speed-ups would otherwise be copied four times, and a script's call names what it gets back.
+  gather_logprobs      fused           LabelLogprob: its gradient written into one [N, T, V] buffer
+With share_prompts=False, drop_finished=False, grow_in_place=False, static_cache=False, length_chunks=1 and
+fused=False they are the textbook loop and the one forward pass (tiny-grpo's).
 
 The time spent in each (time/generation, time/forward of metrics.jsonl) is counted by @timed.
 """
@@ -152,44 +150,57 @@ def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Ten
 # ---------------------------------------------------------------------------------------------
 @timed("forward")
 def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens: int, temperature: float = 1.0,
-                        with_entropy: bool = False, length_chunks: int = 2, share_prompts: bool = True):
+                        length_chunks: int = 2, share_prompts: bool = True) -> torch.Tensor:
     """Per-token log-probs [N, T] of the last T tokens of input_ids [N, P+T] (the completion).
 
     The logit at position t predicts token t+1, so the T completion tokens are predicted by the
     positions P-1 .. P+T-2: we ask the model for the last T+1 positions only (logits_to_keep) and
     drop the final one. Logits are divided by the sampling temperature, so these are the
     log-probs of the distribution the completions were sampled from. Positions after a row's
-    last real token (attention_mask 0) hold junk or 0: every loss masks them.
+    last real token (attention_mask 0) hold junk or 0: every loss masks them. The pass itself is
+    log_probs_pass's: read its plain path first."""
+    return log_probs_pass(model, input_ids, attention_mask, num_completion_tokens, temperature, False, length_chunks,
+                          share_prompts)[0]
 
-    with_entropy=True also returns the policy's entropy at each position [N, T] (no gradient),
-    -sum_v p(v) log p(v): a falling entropy means the policy grows more certain.
-    """
-    T = num_completion_tokens
-    # Speed: rows that share a prompt (GRPO's groups) run it once, for every chunk below, then only
-    # their completions. One pass over prompt + completion without it, with gradient checkpointing,
-    # and under --fsdp, where every process must run the same passes (each gathers weights from all).
+
+@timed("forward")
+def completion_logprobs_and_entropy(model, input_ids, attention_mask, num_completion_tokens: int,
+                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """completion_logprobs [N, T], and from the same logits the policy's entropy at each position
+    [N, T] (no gradient), -sum_v p(v) log p(v): a falling entropy means the policy grows more certain."""
+    return log_probs_pass(model, input_ids, attention_mask, num_completion_tokens, temperature, True)
+
+
+def log_probs_pass(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool,
+                   length_chunks: int = 2, share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [N, T], entropy [N, T] or None). Plainly one forward pass over prompt + completion
+    (forward_logprobs); two speed-ups give the same numbers (tests/test_rollout.py):
+      share_prompts   rows that share a prompt (GRPO's groups) run it once, then only their completions
+                      (not with gradient checkpointing, nor under --fsdp, where every process must run
+                      the same passes: each gathers weights from all)
+      length_chunks   rows sorted by completion length, in chunks cut to their own longest completion,
+                      so no forward or backward work is spent on the padding after the shorter ones"""
     shared = None
-    if (share_prompts and not checkpointing(model) and not distributed.is_sharded(model)
-            and prompts_repeat(input_ids[:, :-T])):
-        with autocast(model):
-            shared = distinct_prompts(model, input_ids[:, :-T], attention_mask[:, :-T])  # (cache, [U, 1, V], [N])
-    if length_chunks == 1:  # one pass over the batch as it is
-        logprobs, entropy = forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy,
-                                             rows_of(shared) if shared else None)
-        return (logprobs, entropy) if with_entropy else logprobs
+    if share_prompts and not checkpointing(model) and not distributed.is_sharded(model):
+        shared = distinct_prompts_if_shared(model, input_ids[:, :-T], attention_mask[:, :-T])
+    if length_chunks == 1 and shared is None:  # the plain path
+        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
+    if length_chunks == 1:
+        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, rows_of(shared))
+    # Speed: length_chunks (and share_prompts, when shared holds the prompts' pass)
     positions = torch.arange(1, T + 1, device=input_ids.device)
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [N]: where each row's completion ends
-    # Speed: rows sorted by completion length, in chunks cut to their own longest completion, so no
-    # forward or backward work is spent on the padding after the shorter ones.
     logprobs = torch.zeros(len(input_ids), T, device=input_ids.device)  # [N, T]
-    entropy = torch.zeros(len(input_ids), T, device=input_ids.device)  # [N, T]
+    entropy = torch.zeros(len(input_ids), T, device=input_ids.device) if with_entropy else None  # [N, T]
     for rows in lengths.argsort().chunk(length_chunks):  # rows [b] of one chunk
         t = max(int(lengths[rows].max()), 1)
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
-        logprobs[rows, :t], entropy[rows, :t] = forward_logprobs(  # [b, t] each; gradients flow into logprobs
+        logprobs[rows, :t], chunk_entropy = forward_logprobs(  # [b, t] each; gradients flow into logprobs
             model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy,
             rows_of(shared, rows) if shared else None)
-    return (logprobs, entropy) if with_entropy else logprobs
+        if with_entropy:
+            entropy[rows, :t] = chunk_entropy
+    return logprobs, entropy
 
 
 @torch.no_grad()
@@ -206,7 +217,7 @@ def inference(fn, model, input_ids, attention_mask, *args, micro_batches: list) 
 
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
                      prompt=None):
-    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or 0). prompt: None,
+    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or None). prompt: None,
     or the rows' prompts already run (rows_of: their KV cache, and the logits of their last position)."""
     labels = input_ids[:, -T:]  # [n, T]: the completion tokens
     with autocast(model):
@@ -225,7 +236,7 @@ def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: floa
         pieces = [(logits / temperature, piece_labels) for logits, piece_labels in pieces]
     logprobs = torch.cat([gather_logprobs(logits, piece_labels) for logits, piece_labels in pieces], dim=1)
     if not with_entropy:
-        return logprobs, 0.0
+        return logprobs, None
     with torch.no_grad():
         entropy = torch.cat([entropy_of(logits) for logits, _ in pieces], dim=1)  # [n, T]
     return logprobs, entropy
@@ -237,9 +248,12 @@ def entropy_of(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(dim=-1)
 
 
-def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def gather_logprobs(logits: torch.Tensor, labels: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """log softmax(logits)[label] = logit[label] - logsumexp(logits), in float32: logits [N, T, V], labels [N, T]
-    -> [N, T]. Speed: LabelLogprob, a chunk of rows at a time, hand-written backward (docs/speed.md#the-speed-ups)."""
+    -> [N, T]."""
+    if not fused:  # the plain expression
+        return logits.float().gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits.float(), dim=-1)
+    # Speed: LabelLogprob, a chunk of rows at a time, its backward written by hand (docs/speed.md#the-speed-ups)
     return LabelLogprob.apply(logits, labels)
 
 
@@ -360,6 +374,14 @@ def prompts_repeat(prompt_ids) -> bool:
     return len(torch.unique(prompt_ids, dim=0)) < len(prompt_ids)
 
 
+def distinct_prompts_if_shared(model, prompt_ids, prompt_mask):
+    """distinct_prompts' pass when some rows share a prompt (share_prompts), else None."""
+    if not prompts_repeat(prompt_ids):
+        return None
+    with autocast(model):
+        return distinct_prompts(model, prompt_ids, prompt_mask)  # (cache, [U, 1, V], [N])
+
+
 def pad_left(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists -> (ids [N, P], mask [N, P]); prompts are left padded so that every
     row's completion starts at the same column P."""
@@ -404,7 +426,7 @@ static_states = weakref.WeakKeyDictionary()  # model -> its RolloutWeights and S
 def static_cache_fits(model, cache) -> bool:
     """generate's default for static_cache: on where it pays and fits. A CUDA GPU, where a decoded
     token costs the launches of its kernels (on the CPU the arithmetic dominates, and the plain loop
-    keeps every published figure as it was), and a model it can run (static_cache_refusal)."""
+    is what the CPU's figures were measured with), and a model it can run (static_cache_refusal)."""
     return next(model.parameters()).device.type == "cuda" and static_cache_refusal(model, cache) is None
 
 

@@ -179,6 +179,7 @@ def main(cfg: Config):
         optimizer.step()
         scheduler.step()
         run.log({"loss": loss.item(), "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
+        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss", "eval/loss"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")

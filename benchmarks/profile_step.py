@@ -113,7 +113,7 @@ def make_batch(model, tokenizer, cfg, prompts_n: int, tokens: int, device) -> di
     return dict(input_ids=input_ids, attention_mask=attention_mask, T=completion_ids.shape[1], advantages=advantages,
                 loss_mask=completion_mask,
                 micro_batches=torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size),
-                step_tokens=common.mean_denominator(completion_mask), rollout_s=rollout_s, questions=questions,
+                rollout_s=rollout_s, questions=questions,
                 prompt_tokens=prompt_ids.shape[1], completion_tokens=int(completion_mask.sum()))
 
 
@@ -139,15 +139,14 @@ def training_passes(model, ref_model, batch: dict, cfg, optimizer, named: bool =
     (logprobs, entropy), loss = torch.zeros(2, *b["loss_mask"].shape, device=input_ids.device), 0.0
     for rows in micro_batches:
         with part("policy forward"):
-            micro_logprobs, entropy[rows] = rollout.completion_logprobs(
-                model, input_ids[rows], attention_mask[rows], T, cfg.temperature, with_entropy=True)
+            micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
+                model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
         with part("loss"):
             micro_loss = grpo.grpo_loss(
                 micro_logprobs, micro_logprobs.detach(), ref_logprobs[rows] if ref_logprobs is not None else None,
                 b["advantages"][rows], b["loss_mask"][rows], clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                 beta=cfg.beta, loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                max_completion_length=cfg.max_completion_length, step_sequences=len(input_ids),
-                step_tokens=b["step_tokens"])
+                max_completion_length=cfg.max_completion_length, step_mask=b["loss_mask"])
         with part("backward"):
             micro_loss.backward()
         logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
@@ -495,7 +494,7 @@ def check(model, ref_model, batch, cfg, state: dict, context=contextlib.nullcont
         import grpo
 
         loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref, b["advantages"], b["loss_mask"], clip_eps=cfg.epsilon,
-                              beta=cfg.beta, step_tokens=b["step_tokens"])
+                              beta=cfg.beta, step_mask=b["loss_mask"])
         loss.backward()
     grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters() if n in state])
     mask = b["loss_mask"].bool()

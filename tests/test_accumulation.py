@@ -30,12 +30,11 @@ def test_micro_batch_losses_add_up_to_the_step_loss_and_gradient(loss_type):
     logprobs, old, ref, advantages, mask = _rollout()
     whole = grpo.grpo_loss(logprobs, old, ref, advantages, mask, 0.2, 0.04, loss_type)
     (expected,) = torch.autograd.grad(whole, logprobs)
-    step_sequences, step_tokens = len(mask), mask.sum()
     total, grad = 0.0, torch.zeros_like(logprobs)
     wrong_grad = torch.zeros_like(logprobs)  # each micro-batch normalised by its own counts: the classic mistake
     for rows in torch.arange(len(mask)).split(2):
         args = (logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], 0.2, 0.04, loss_type)
-        micro = grpo.grpo_loss(*args, step_sequences, step_tokens)
+        micro = grpo.grpo_loss(*args, step_mask=mask)  # divided by the whole step's counts
         total = total + micro.detach()
         grad += torch.autograd.grad(micro, logprobs, retain_graph=True)[0]
         wrong_grad += torch.autograd.grad(grpo.grpo_loss(*args), logprobs)[0]

@@ -80,11 +80,10 @@ def test_dr_grpo_divides_by_a_constant_and_bnpo_by_the_micro_batch_tokens():
     # two micro-batches of unequal token counts (rows 0-2: 9 tokens, rows 3-5: 11): bnpo is the mean of the
     # two micro-batch means, dapo the mean over all 20 tokens
     parts = [slice(0, 3), slice(3, 6)]
-    bnpo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "bnpo", 6, None) for p in parts)
+    bnpo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "bnpo", mask) for p in parts)
     means = [old_grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo") for p in parts]
     assert_close(bnpo, sum(means) / 2, terms=20)
-    dapo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo", 6,
-                              mask.sum()) for p in parts)
+    dapo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo", mask) for p in parts)
     assert_close(dapo, old_grpo_loss(logprobs, old, ref, A, mask, 0.2, 0.04, "dapo"), terms=20)
     assert abs(float(bnpo - dapo)) > 1e-3  # they are different losses
 
@@ -274,14 +273,14 @@ def test_the_new_settings_refuse_what_cannot_work(tmp_path):
         assert not os.path.exists(tmp_path / "out")
 
 
-def fake_rollout(rewards: list[float], width: int, tag: str) -> dict:
-    """sample_and_score's layout for len(rewards) rows of one-token prompts of the given width."""
+def fake_rollout(rewards: list[float], width: int, tag: str) -> grpo.Rollout:
+    """sample_and_score's record for len(rewards) rows of prompts of the given width."""
     n = len(rewards)
-    return dict(prompts=[f"{tag}{i}" for i in range(n)], completions=[f"c{tag}{i}" for i in range(n)],
-                prompt_ids=torch.full((n, width), 7), prompt_mask=torch.ones(n, width, dtype=torch.long),
-                completion_ids=torch.full((n, width + 1), 8),
-                completion_mask=torch.ones(n, width + 1, dtype=torch.long),
-                rewards_per_func=torch.tensor(rewards).unsqueeze(1))
+    return grpo.Rollout(prompts=[f"{tag}{i}" for i in range(n)], completions=[f"c{tag}{i}" for i in range(n)],
+                        prompt_ids=torch.full((n, width), 7), prompt_mask=torch.ones(n, width, dtype=torch.long),
+                        completion_ids=torch.full((n, width + 1), 8),
+                        completion_mask=torch.ones(n, width + 1, dtype=torch.long),
+                        rewards_per_func=torch.tensor(rewards).unsqueeze(1))
 
 
 def test_dynamic_sampling_never_keeps_a_group_of_equal_rewards():
@@ -293,18 +292,18 @@ def test_dynamic_sampling_never_keeps_a_group_of_equal_rewards():
     kept, used = grpo.dynamic_sampling(first, lambda: next(rounds), group_size=2, num_groups=3, max_rounds=4,
                                        pad_token_id=0)
     assert used == 2
-    assert kept["prompts"] == ["a2", "a3", "b2", "b3", "b4", "b5"]
-    grouped = kept["rewards_per_func"].sum(dim=1).view(-1, 2)
+    assert kept.prompts == ["a2", "a3", "b2", "b3", "b4", "b5"]
+    grouped = kept.rewards_per_func.sum(dim=1).view(-1, 2)
     assert (grouped[:, 0] != grouped[:, 1]).all()  # every kept group has spread
-    assert kept["prompt_ids"].shape == (6, 3) and kept["prompt_mask"][:2].tolist() == [[0, 1, 1]] * 2
-    assert kept["completion_mask"][:2].tolist() == [[1, 1, 1, 0]] * 2 and kept["prompt_ids"][0, 0] == 0
+    assert kept.prompt_ids.shape == (6, 3) and kept.prompt_mask[:2].tolist() == [[0, 1, 1]] * 2
+    assert kept.completion_mask[:2].tolist() == [[1, 1, 1, 0]] * 2 and kept.prompt_ids[0, 0] == 0
 
 
 def test_dynamic_sampling_stops_after_max_rounds_with_what_it_found():
-    """Only equal groups, twice: after max_rounds = 2 nothing is kept (the step then trains on nothing)."""
+    """Only equal groups, twice: after max_rounds = 2 nothing is kept (None: the step has nothing to learn)."""
     more = iter([fake_rollout([1.0, 1.0], 1, "b")])
     kept, used = grpo.dynamic_sampling(fake_rollout([0.0, 0.0, 3.0, 3.0], 1, "a"), lambda: next(more), 2, 2, 2, 0)
-    assert used == 2 and kept["prompts"] == [] and kept["prompt_ids"].shape[0] == 0
+    assert used == 2 and kept is None
 
 
 @pytest.mark.slow

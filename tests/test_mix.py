@@ -164,10 +164,10 @@ def test_mix_reads_mix_first_then_grpos_functions_letter_for_letter():
     names = [node.name if hasattr(node, "name") else node.targets[0].id for node in shared
              if not isinstance(node, ast.If)]  # the `if __name__ == "__main__"` block ends the file
     assert names == ["correctness_reward", "FORMAT", "format_reward", "REWARD_FUNCS", "group_advantages", "kl_k3",
-                     "importance_ratio", "grpo_loss", "masked_mean_per_sequence", "clip_fraction", "step_metrics",
-                     "sample_and_score"]
+                     "importance_ratio", "per_token_loss", "aggregate", "grpo_loss", "masked_mean_per_sequence",
+                     "clip_fraction", "step_metrics", "Rollout", "sample_and_score"]
     for name in names:
-        if callable(getattr(mix, name)) and inspect.isfunction(getattr(mix, name)):
+        if inspect.isfunction(getattr(mix, name)) or inspect.isclass(getattr(mix, name)):
             assert inspect.getsource(getattr(mix, name)) == inspect.getsource(getattr(grpo, name)), name
     assert mix.FORMAT.pattern == grpo.FORMAT.pattern
     assert [f.__name__ for f in mix.REWARD_FUNCS] == [f.__name__ for f in grpo.REWARD_FUNCS]
