@@ -11,7 +11,8 @@ returns its input. Under `torchrun --nproc_per_node N`:
                            backward passes, and for the whole rollout (gathered).
 
 The scripts reach these through harness.Run (setup, the shared starting weights, sharding, the
-gradient average) and the rollout (gathered); the memory each layout needs is memory_estimate's.
+gradient average), the rollout (gathered) and common.py (global_sum, global_min: counts over every
+process); the memory each layout needs is memory_estimate's.
 """
 import atexit
 import contextlib
@@ -158,7 +159,7 @@ def shard_model(model):
 
     layer_classes = model._no_split_modules or ()  # what transformers never splits: e.g. LlamaDecoderLayer
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-    if not layers:  # common.fail's form; this module imports nothing of the repo's
+    if not layers:  # checks.fail's form; this module imports nothing of the repo's
         raise SystemExit(f"error: --fsdp: {type(model).__name__} names no decoder layer class (_no_split_modules) "
                          "to shard by")
     # reshard_after_forward=True everywhere (torch keeps the root's weights gathered by default): between

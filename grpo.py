@@ -45,7 +45,7 @@ import rollout
 from common import setting
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages_of)
 
 @dataclass
 class Config(harness.RLConfig):
@@ -70,7 +70,7 @@ class Config(harness.RLConfig):
     learning_rate 1e-6, use_bias_correction_kl True): set them to compare"""
     advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
                                        "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
-    """step 3, each reward against a baseline from its group (see advantages): 'grpo' (r - group mean) / std as
+    """step 3, each reward against a baseline from its group (see advantages_of): 'grpo' (r - group mean) / std as
     --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp'
     r - group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and
     reinforce_baseline"""
