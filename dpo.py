@@ -1,66 +1,33 @@
 """DPO: Direct Preference Optimization (Rafailov et al. 2023; TRL's DPOTrainer), offline and online.
 
-RLHF without a reward model and without sampling: the policy is trained directly on preference
-pairs (prompt, chosen, rejected) with a classification loss whose logit is the policy's implicit
-reward margin. Where it comes from, in five lines:
+RLHF without a reward model: the policy learns from preference pairs (prompt x, chosen y_c, rejected
+y_r) with the reward model's Bradley-Terry loss, written with the policy's implicit reward
+beta log(pi(y|x) / pi_ref(y|x)): the reward for which pi is the optimum of PPO's KL-regularised
+objective, up to a term of x alone that cancels in a pair (docs/dpo.md#where-the-loss-comes-from):
 
-  1. The KL-regularised objective of PPO (note 000): max_pi E_y~pi [r(x, y)] - beta KL(pi(.|x) || pi_ref(.|x)).
-  2. Its maximiser has a closed form: pi*(y|x) = pi_ref(y|x) exp(r(x, y) / beta) / Z(x), Z(x) the sum of
-     pi_ref(y|x) exp(r(x, y) / beta) over all y (Rafailov et al., section 4, eq. 4).
-  3. Solved for the reward: r(x, y) = beta log(pi*(y|x) / pi_ref(y|x)) + beta log Z(x), the implicit reward.
-  4. The reward model of note 000 (reward_model.preference_loss) fits r by Bradley-Terry:
-     P(chosen > rejected) = sigmoid(r(x, y_c) - r(x, y_r)). In that difference beta log Z(x) cancels.
-  5. So the reward model's loss, written with the implicit reward of the policy itself, trains the policy:
-     loss = -log sigmoid(beta [log pi(y_c|x)/pi_ref(y_c|x) - log pi(y_r|x)/pi_ref(y_r|x)])   (sigmoid_loss)
+    loss = -log sigmoid(beta [log pi(y_c|x)/pi_ref(y_c|x) - log pi(y_r|x)/pi_ref(y_r|x)])    (sigmoid_loss)
+
+--loss_type ipo, simpo and kto take IPO's, SimPO's and KTO's loss instead; KTO scores each answer alone.
+
+One training step, the numbered comments of main()'s loop:
+  1. pairs: B pairs of --dataset; online (--online true), two samples of each of B prompts from the
+     current policy, ranked by the judge (a tie weighs 0)   input_ids [2B, P+T]: B chosen rows, then B rejected
+  2. reference: log pi_ref(y|x) of every row, summed over its tokens, no gradient         ref_logps [2B]
+     (KTO also: its reference point z0)
+  3. loss: the policy's log pi(y|x) of every row, with gradient; the loss of each pair, a mean over the
+     step's counted pairs (KTO: of each answer, a mean over the answers); backward()
+  4. update: gradients averaged over processes and clipped, one AdamW step
+  5. metrics: TRL's rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen,
+     logps/rejected, entropy
 
     python sft.py && python dpo.py                       # offline: out/sft + data/preference -> out/dpo
     python dpo.py --online true                          # online: pairs sampled from the policy, ranked by the checker
     python reward_model.py && python dpo.py --online true --judge out/rm   # ... ranked by a reward model
-    python dpo.py --loss_type ipo                        # IPO; --loss_type simpo: SimPO, no reference model
     python dpo.py --online true --loss_type kto          # KTO: each sample alone, labelled by the checker
     python dpo.py --online true --steps_per_generation 5 # iterative DPO: pairs sampled once every 5 steps
     torchrun --nproc_per_node 2 dpo.py                   # data parallel over 2 GPUs (or CPU processes)
-    torchrun --nproc_per_node 2 dpo.py --fsdp true       # sharded: each process holds half the weights and states
-    python dpo.py --lora_r 8                             # LoRA; pi_ref = the model with its adapter off
 
-One training step:
-  1. pairs: offline, B pairs from --dataset; online (--online true), two samples of each of B
-     prompts from the current policy (rollout.generate), ranked by the judge (rule_judge or
-     reward_model_judge; rank_pairs): a tie teaches nothing and weighs 0. With
-     --steps_per_generation k (iterative DPO), the pairs of k steps are sampled at once, every k steps
-                                                  input_ids [2B, P+T]: the B chosen rows, then the B rejected
-  2. reference: log pi_ref(y|x) of every row, summed over its tokens (no gradient; none for simpo);
-     KTO also scores mismatched rows for its reference point z0 (kto_reference_point)
-                                                  ref_logps [2B]
-  3. loss: the policy's log pi(y|x) of every row, with gradient, and the loss of --loss_type
-     (sigmoid_loss, ipo_loss, simpo_loss: per pair, a mean over the step's counted pairs; kto_loss:
-     per answer, a mean over the step's answers); backward()
-  4. update: gradients averaged over processes and clipped, one AdamW step
-  5. metrics: TRL's rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
-     logps/chosen, logps/rejected, entropy (and online/pairs, online/ties; KTO: kto/z0)
-
-The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
-are rollout.py's; the calls on `run` are harness.py's machinery (resume, evaluation, checkpoints,
-the NaN stop, logging), which changes no number the algorithm computes.
-
-KTO (--loss_type kto) learns from answers one at a time, each labelled desirable or undesirable:
-offline, the chosen and the rejected answer of each pair become two unpaired answers (TRL's
-unpair_preference_dataset); online, each of the two samples of a prompt is labelled by the checker,
-so a tie (both right, or both wrong) still teaches. Iterative DPO (--steps_per_generation k) sits
-between offline and online: k = 1 is online DPO, and a k as large as --max_steps samples one dataset
-from the start, as offline DPO on the policy's own pairs would.
-
-Left out, and why: TRL's other loss types (hinge, robust, exo_pair, ...: the three here span the
-family: a logistic loss, a squared one, one without a reference); label smoothing; precomputing
-the reference log-probs of the whole dataset once (TRL's precompute_ref_log_probs: a speed-up that
-saves one forward pass per step); SimPO's optional SFT term (TRL's CPOTrainer adds cpo_alpha x
-the NLL of the chosen answers: here simpo is the pure SimPO loss); online DPO's missing_eos_penalty
-and its judges other than a reward model (PairRM, an LLM as judge); skipping the forward passes
-of tied pairs (they run with weight 0, so that every process runs the same passes under torchrun);
-KTO's apo_zero_unpaired variant and its check that the desirable and undesirable weights balance
-the labels' counts (TRL warns outside a 1 to 4/3 ratio; here the counts are logged: kto/desirable);
-iterative DPO's refreshed reference (some recipes make each round's start pi_ref: here pi_ref stays
-the start, as in online DPO).
+KTO, iterative DPO, and what is left out and why: docs/dpo.md.
 """
 import copy
 from dataclasses import dataclass
@@ -150,8 +117,8 @@ class Config(harness.RLConfig):
 
 
 # ---------------------------------------------------------------------------------------------
-# The losses. Each takes, per pair, the summed log-probs of the chosen and rejected answers under
-# the policy (and the reference), and returns one loss per pair [B]; main() takes their mean.
+# The losses. The pair losses take, per pair, the summed log-probs of the chosen and rejected answers
+# under the policy (and the reference) and return one loss per pair [B]; KTO's, one loss per answer.
 # ---------------------------------------------------------------------------------------------
 def sequence_logprobs(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log pi(y|x) = sum over the answer's real tokens of log pi(y_t | x, y_<t): [B, T] -> [B]."""
@@ -168,7 +135,7 @@ def answer_logps(model, input_ids, attention_mask, T: int, temperature: float, m
 
 def implicit_rewards(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
     """DPO's implicit reward of an answer, r(x, y) = beta * (log pi(y|x) - log pi_ref(y|x)), up to
-    the beta log Z(x) that every answer to x shares (step 3 of the module docstring). [B] -> [B].
+    the beta log Z(x) that every answer to x shares (docs/dpo.md#where-the-loss-comes-from). [B] -> [B].
     TRL logs its mean over chosen and rejected answers as rewards/chosen, rewards/rejected."""
     return beta * (logps - ref_logps)
 
@@ -251,21 +218,20 @@ def reference_pass(model, ref_model, input_ids, attention_mask, T: int, temperat
     return ref_logps, z0
 
 
-def pair_losses(cfg, logps, ref_logps, lengths, desirable=None, z0=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of --loss_type for each pair [b] (KTO: each answer [2b]), and each row's reward [2b] for
-    the metrics (DPO, IPO, KTO: the implicit reward; SimPO: beta times the mean log-prob per token, as
-    TRL's CPOTrainer logs). logps, ref_logps (None for simpo), lengths [2b]: the b chosen rows, then the
-    b rejected ones; KTO: each row's label desirable [2b] and the step's reference point z0."""
-    if cfg.loss_type == "kto":
-        return (kto_loss(logps, ref_logps, desirable, z0, cfg.beta, cfg.desirable_weight, cfg.undesirable_weight),
-                implicit_rewards(logps, ref_logps, cfg.beta))
+def pair_losses(cfg, logps, ref_logps, lengths) -> torch.Tensor:
+    """The loss of --loss_type (sigmoid, ipo or simpo) for each pair [b]. logps, ref_logps (None for
+    simpo), lengths [2b]: the b chosen rows, then the b rejected ones."""
     if cfg.loss_type == "simpo":
-        return simpo_loss(*logps.chunk(2), *lengths.chunk(2), cfg.beta, cfg.simpo_gamma), cfg.beta * logps / lengths
+        return simpo_loss(*logps.chunk(2), *lengths.chunk(2), cfg.beta, cfg.simpo_gamma)
     if cfg.loss_type == "ipo":
-        losses = ipo_loss(*logps.chunk(2), *ref_logps.chunk(2), *lengths.chunk(2), cfg.beta)
-    else:
-        losses = sigmoid_loss(*logps.chunk(2), *ref_logps.chunk(2), cfg.beta)
-    return losses, implicit_rewards(logps, ref_logps, cfg.beta)
+        return ipo_loss(*logps.chunk(2), *ref_logps.chunk(2), *lengths.chunk(2), cfg.beta)
+    return sigmoid_loss(*logps.chunk(2), *ref_logps.chunk(2), cfg.beta)
+
+
+def rewards_of(cfg, logps, ref_logps, lengths) -> torch.Tensor:
+    """Each row's reward [N], for the metrics: the implicit reward (DPO, IPO, KTO), or for SimPO beta
+    times the mean log-prob per token, as TRL's CPOTrainer logs it."""
+    return cfg.beta * logps / lengths if cfg.loss_type == "simpo" else implicit_rewards(logps, ref_logps, cfg.beta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,13 +261,20 @@ def rank_pairs(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([chosen, chosen ^ 1]), (first != second).float()  # rows 2i and 2i + 1 differ in the last bit
 
 
+def loss_weights(pair_weights: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """What the step's mean loss counts: each pair, weighed by pair_weights [B] (0 for a tie), or for
+    KTO each of the 2B answers, weighed 1 [2B] (KTO labels every answer alone: a tie's answers count)."""
+    return torch.ones(2 * len(pair_weights)) if loss_type == "kto" else pair_weights
+
+
 def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_tokenizer=None):
     """Online DPO's step 1 for the B prompts of step_data: two samples of each from the current
     policy, scored by the judge (the checker, or judge_model) and put in pair order, the B chosen
     rows then the B rejected (rank_pairs). A judge whose tokenizer is not the policy's (judge_tokenizer)
     reads the samples as text in its own ids (reward_model.tokenize_samples). Returns input_ids,
-    attention_mask [2B, P+T], T, the pairs' weights [B] (0 for a tie), each row's verdict by the
-    checker [2B] (1 right, 0 wrong: KTO's labels), the online metrics, and the completions to log."""
+    attention_mask [2B, P+T], T, the weights the loss counts [B] (loss_weights: 0 for a tied pair;
+    KTO: [2B]), each row's verdict by the checker [2B] (1 right, 0 wrong: KTO's labels), the online
+    metrics, and the completions to log. Tensors on the policy's device."""
     texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
              for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
     prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
@@ -323,8 +296,29 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
                "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
                **({"score": scores.mean().item()} if judge_model is not None else {})}
     completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
-    return (input_ids[order], attention_mask[order], completion_ids.shape[1], weights, correct[order.cpu()], metrics,
-            completions)
+    return (input_ids[order], attention_mask[order], completion_ids.shape[1],
+            loss_weights(weights, cfg.loss_type).to(input_ids.device), correct[order.cpu()].to(input_ids.device),
+            metrics, completions)
+
+
+def dataset_pairs(batch: list, tokenizer, cfg, device):
+    """Offline DPO's step 1 for the B pairs of batch, as sample_and_rank returns online pairs:
+    input_ids, attention_mask [2B, P+T] (reward_model.collate: the B chosen rows, then the B rejected),
+    T, the weights the loss counts (loss_weights: every pair, or KTO's every answer), KTO's labels
+    [2B] (each chosen answer desirable, each rejected one not; TRL's unpair_preference_dataset), and
+    no online metrics or completions."""
+    input_ids, attention_mask = (x.to(device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
+    T, B = max(max(len(c), len(r)) for _, c, r in batch), len(batch)
+    return (input_ids, attention_mask, T, loss_weights(torch.ones(B), cfg.loss_type).to(device),
+            (torch.arange(2 * B) < B).to(device), {}, None)
+
+
+def check_ties(run, cfg, weights):
+    """Online DPO's step whose every pair is a tie, over every process, has nothing to learn
+    (run.nothing_to_learn); KTO's never is, as every answer counts (loss_weights)."""
+    if cfg.online and common.global_sum(weights.sum().item()) == 0:
+        run.nothing_to_learn("every pair was a tie, the judge scoring both samples of each prompt the same (a higher "
+                             "--temperature, or a judge with finer scores, gives pairs)")
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> float | None:
@@ -371,6 +365,25 @@ def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
         "logps/chosen": weighted_mean(logps, desirable), "logps/rejected": weighted_mean(logps, undesirable),
         "kto/z0": z0.item(), "kto/desirable": desirable.mean().item(),
         "completion_length": lengths.float().mean().item()})
+
+
+@torch.no_grad()
+def step_log(cfg, step_pairs: tuple, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate) -> tuple:
+    """Step 5: run.log's arguments, the step's metrics and (online) its completions. The metrics, on
+    the CPU: the loss; kto_metrics over KTO's desirable and undesirable answers, or step_metrics over
+    the counted pairs, with the rewards of rewards_of; online DPO's pairs and ties; the policy's
+    entropy, a mean over the answers' tokens as TRL's DPOTrainer logs it. step_pairs: step 1's
+    (sample_and_rank's or dataset_pairs's); logps, ref_logps [2B]; entropy [2B, T]."""
+    _, attention_mask, T, weights, desirable, online_metrics, completions = step_pairs
+    answer_mask = attention_mask[:, -T:]  # [2B, T]
+    lengths = answer_mask.sum(dim=1).float()  # [2B] |y|
+    rewards = rewards_of(cfg, logps, ref_logps, lengths).cpu()
+    metrics = (kto_metrics(rewards, logps.cpu(), lengths.cpu(), desirable.float().cpu(), z0) if cfg.loss_type == "kto"
+               else step_metrics(rewards, logps.cpu(), lengths.cpu(), weights.cpu()))
+    entropy_sums = torch.where(answer_mask.bool(), entropy, 0.0).sum(1).cpu()  # [2B], each row's
+    return ({"loss": loss.item(), **metrics, **online_metrics,
+             "entropy": entropy_sums.sum().item() / lengths.sum().item(),  # a token mean
+             "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, completions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,67 +454,59 @@ def main(cfg: Config):
         return common.evaluate(model, tokenizer, test_data, cfg.max_completion_length, cfg.system_prompt,
                                cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size)
 
+    # Gradient accumulation: micro-batches of pairs, each the rows of its chosen and its rejected answers.
+    micro_batches = [torch.cat([pair_ids, pair_ids + B])  # [2b] rows: the b chosen, then their b rejected
+                     for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
     for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # 1. Pairs, as 2B rows [left-padded prompt | right-padded answer]: the B chosen, then the B rejected.
-        online_metrics, completions = {}, None
         if cfg.online:  # two samples of each of B prompts from the policy, ranked by the judge
             if (step - 1) % cfg.steps_per_generation == 0:  # now: the pairs of this step and the next k - 1
                 step_prompts = [prompts[run.rng.sample(range(len(prompts)), B)]  # {column: [B values]} a step
                                 for _ in range(cfg.steps_per_generation)]
                 sampled = [sample_and_rank(model, tokenizer, judge_model, step_data, cfg, judge_tokenizer)
                            for step_data in step_prompts]
-            input_ids, attention_mask, T, weights, desirable, online_metrics, completions = sampled.pop(0)
-            if common.global_sum(weights.sum().item()) == 0 and cfg.loss_type != "kto":  # each pair a tie: loss 0
-                run.nothing_to_learn("every pair was a tie, the judge scoring both samples of each prompt the same "
-                                     "(a higher --temperature, or a judge with finer scores, gives pairs)")
-        else:  # B pairs of the dataset; for KTO, 2B answers: each chosen one desirable, each rejected one not
-            batch = run.rng.sample(pairs, B)
-            input_ids, attention_mask = (x.to(run.device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
-            T, weights = max(max(len(c), len(r)) for _, c, r in batch), torch.ones(B)
-            desirable = torch.arange(2 * B) < B  # [2B]: the chosen rows
+            step_pairs = sampled.pop(0)
+        else:  # B pairs of the dataset
+            step_pairs = dataset_pairs(run.rng.sample(pairs, B), tokenizer, cfg, run.device)
+        input_ids, attention_mask, T, weights, desirable, _, _ = step_pairs  # (online metrics, completions: step 5)
+        check_ties(run, cfg, weights)  # online DPO: a step whose every pair is a tie has nothing to learn
         temperature = cfg.temperature if cfg.online else 1.0
-        weights = (torch.ones(2 * B) if cfg.loss_type == "kto" else weights).to(run.device)  # KTO: every answer counts
         answer_mask = attention_mask[:, -T:]  # [2B, T]
         lengths = answer_mask.sum(dim=1).float()  # [2B] |y|, EOS included
-        # Gradient accumulation: micro-batches of pairs, each the rows of its chosen and its rejected answers.
-        micro_batches = [torch.cat([pair_ids, pair_ids + B])
-                         for pair_ids in torch.arange(B, device=run.device).split(cfg.per_device_train_batch_size)]
-        step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
 
         # 2. The reference's log-probs, log pi_ref(y|x) per row [2B] (no gradient); KTO's reference point z0.
         ref_logps, z0 = reference_pass(model, ref_model, input_ids, attention_mask, T, temperature, micro_batches,
                                        cfg.loss_type)
 
-        # 3. The policy's log-probs, the loss of each pair (KTO: answer), its share of the step's mean; backward.
+        # 3. The policy's log-probs, each pair's loss (KTO: each answer's), its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)
-        logps, rewards, entropy = torch.zeros(3, 2 * B)  # [2B] each, detached: for the metrics
-        loss = 0.0
-        for rows in micro_batches:
-            micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
+        step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
+        loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's count, add up to it
+        logps = torch.zeros_like(lengths)  # [2B], for the metrics
+        entropy = torch.zeros_like(answer_mask, dtype=torch.float)  # [2B, T]
+        for rows in micro_batches:  # one micro-batch of pairs at a time (memory); the gradients add up
+            micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                 model, input_ids[rows], attention_mask[rows], T, temperature)  # [2b, T] each
             micro_logps = sequence_logprobs(micro_logprobs, answer_mask[rows])  # [2b]
-            micro_losses, micro_rewards = pair_losses(  # [b] (KTO: [2b]), [2b]
-                cfg, micro_logps, ref_logps[rows] if ref_logps is not None else None, lengths[rows],
-                desirable[rows.cpu()].to(run.device) if cfg.loss_type == "kto" else None, z0)
-            counted = weights[rows] if cfg.loss_type == "kto" else weights[rows[: len(rows) // 2]]  # answers, pairs
-            micro_loss = (micro_losses * counted).sum() / step_count
+            micro_ref = ref_logps[rows] if ref_logps is not None else None  # [2b] (SimPO has no reference)
+            if cfg.loss_type == "kto":  # KTO: each answer alone, desirable or not, against the reference point z0
+                micro_losses = kto_loss(micro_logps, micro_ref, desirable[rows], z0, cfg.beta, cfg.desirable_weight,
+                                        cfg.undesirable_weight) * weights[rows]  # [2b]
+            else:  # each pair: its chosen row against its rejected row (the pair's index), a tie weighing 0
+                micro_losses = pair_losses(cfg, micro_logps, micro_ref, lengths[rows]) * weights[rows[: len(rows) // 2]]
+            micro_loss = micro_losses.sum() / step_count
             micro_loss.backward()  # gradients add up over the micro-batches
             loss = loss + micro_loss.detach()
-            logps[rows.cpu()], rewards[rows.cpu()] = micro_logps.detach().cpu(), micro_rewards.detach().cpu()
-            entropy[rows.cpu()] = torch.where(answer_mask[rows].bool(), micro_entropy, 0.0).sum(1).cpu()  # a row's sum
+            logps[rows] = micro_logps.detach()
 
         # 4. The update.
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
 
-        # 5. Metrics.
-        metrics = (kto_metrics(rewards, logps, lengths.cpu(), desirable.float().cpu(), z0) if cfg.loss_type == "kto"
-                   else step_metrics(rewards, logps, lengths.cpu(), weights.cpu()))
-        run.log({"loss": loss.item(), **metrics, **online_metrics,
-                 "entropy": entropy.sum().item() / lengths.sum().item(),  # a token mean, as TRL's DPOTrainer logs it
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
-                completions=completions)
+        # 5. Metrics, and online the samples (completions.jsonl).
+        run.log(*step_log(cfg, step_pairs, logps, ref_logps, z0, entropy, loss, grad_norm, scheduler.get_last_lr()[0]))
+        run.end_step()  # 6. When due: evaluate, write the metrics line, save a checkpoint.
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],
                                         "implicit rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],

@@ -11,12 +11,17 @@ print the same fingerprint, byte for byte:
     python benchmarks/fingerprint.py --out /tmp/fp_after > after.json
     cmp before.json after.json && echo identical
 
-About 6 minutes on 2 CPU cores (--quick: the five default runs only, about 2 minutes). The runs: SFT 40
+On 2 CPU cores (2026-11-27, beside other work): the fourteen runs other than DPO's and RFT's 8 minutes, the
+DPO and RFT runs with the runs they read 3 minutes (--only NAME ...: those runs and the runs they read;
+--quick: the five default runs only, about 2 minutes). The runs: SFT 40
 steps, then from it GRPO and MIX (3 steps), the reward model then PPO (3 steps each), each at its
 defaults with small evaluations; then variants that take the other branches (accumulation, LoRA, several
 updates per batch, the loss types and reward scalings, the sequence ratio, PPO's epochs, mini-batches,
-rule reward and adaptive KL, SFT on prompt / chosen data), and GRPO under torchrun, data-parallel and
-sharded.
+rule reward and adaptive KL, SFT on prompt / chosen data); DPO's branches (offline sigmoid with
+accumulation, IPO with LoRA, SimPO, KTO offline and online, online DPO judged by the checker, iterative
+DPO judged by the reward model) and RFT, the online ones from a 300-step SFT that is right some of the time
+(the 40-step one wrote no right answer in 384 samples: every pair tied, and RFT kept nothing); and GRPO
+under torchrun, data-parallel and sharded.
 """
 import argparse
 import hashlib
@@ -31,7 +36,7 @@ EVAL = ["--num_eval_examples", "16", "--eval_samples_per_problem", "2"]
 
 def runs(out: str, quick: bool) -> list[tuple[str, list[str]]]:
     """(name, command) of each run, in order; later runs read the folders of earlier ones."""
-    sft, rm = os.path.join(out, "sft"), os.path.join(out, "rm")
+    sft, rm, weak = os.path.join(out, "sft"), os.path.join(out, "rm"), os.path.join(out, "sft_weak")
     short = ["--max_steps", "3", "--eval_steps", "3", *EVAL]
     chain = [
         ("sft", ["sft.py", "--max_steps", "40", "--eval_steps", "40", *EVAL]),
@@ -64,6 +69,23 @@ def runs(out: str, quick: bool) -> list[tuple[str, list[str]]]:
         ("rm_lora", ["reward_model.py", "--model", sft, "--max_steps", "3", "--eval_steps", "3", "--policy_prompts",
                      "0", "--num_eval_examples", "32", "--lora_r", "4", "--gradient_accumulation_steps", "2",
                      "--per_device_train_batch_size", "8"]),
+        ("sft_weak", ["sft.py", "--max_steps", "300", "--eval_steps", "300", *EVAL]),  # for the checker's runs
+        ("dpo_sigmoid", ["dpo.py", "--model", sft, *short, "--gradient_accumulation_steps", "2",
+                         "--per_device_train_batch_size", "16"]),
+        ("dpo_ipo", ["dpo.py", "--model", sft, *short, "--loss_type", "ipo", "--per_device_train_batch_size", "16",
+                     "--lora_r", "4"]),
+        ("dpo_simpo", ["dpo.py", "--model", sft, *short, "--loss_type", "simpo",
+                       "--per_device_train_batch_size", "16"]),
+        ("dpo_kto", ["dpo.py", "--model", sft, *short, "--loss_type", "kto", "--gradient_accumulation_steps", "2",
+                     "--per_device_train_batch_size", "8"]),
+        ("dpo_online", ["dpo.py", "--model", weak, *short, "--online", "true", "--judge", "rule",
+                        "--per_device_train_batch_size", "32", "--log_completions_steps", "1"]),
+        ("dpo_online_kto", ["dpo.py", "--model", weak, *short, "--online", "true", "--loss_type", "kto",
+                            "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "16"]),
+        ("dpo_iterative", ["dpo.py", "--model", weak, "--max_steps", "4", "--eval_steps", "4", *EVAL, "--online",
+                           "true", "--judge", rm, "--steps_per_generation", "2", "--save_steps", "2",
+                           "--per_device_train_batch_size", "32", "--log_completions_steps", "1"]),
+        ("rft", ["rft.py", "--model", weak, *short, "--log_completions_steps", "1"]),
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
     parallel = [
@@ -72,6 +94,19 @@ def runs(out: str, quick: bool) -> list[tuple[str, list[str]]]:
                        "--fsdp", "true"]),
     ]
     return chain + variants + parallel
+
+
+def with_inputs(runs: list[tuple[str, list[str]]], out: str, only: list[str]) -> list[tuple[str, list[str]]]:
+    """The runs named in only, and the earlier runs whose folders they read (an argument that is one's
+    folder), in the order of runs."""
+    unknown = set(only) - {name for name, _ in runs}
+    if unknown:
+        sys.exit(f"--only: no run named {', '.join(sorted(unknown))} (the runs: {', '.join(n for n, _ in runs)})")
+    wanted = set(only)
+    for name, command in reversed(runs):  # a run comes after the runs it reads
+        if name in wanted:
+            wanted |= {other for other, _ in runs if os.path.join(out, other) in command}
+    return [(name, command) for name, command in runs if name in wanted]
 
 
 def digest(folder: str) -> dict:
@@ -105,16 +140,18 @@ def main():
     parser.add_argument("--out", required=True, help="a new folder for the runs' output")
     parser.add_argument("--quick", action="store_true", help="the five default runs only")
     parser.add_argument("--digest", action="store_true", help="no runs: the fingerprint of the runs already in --out")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="these runs and the runs they read")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
+    selected = runs(out, args.quick) if not args.only else with_inputs(runs(out, False), out, args.only)
     if args.digest:
-        names = [name for name, _ in runs(out, args.quick) if os.path.isdir(os.path.join(out, name))]
+        names = [name for name, _ in selected if os.path.isdir(os.path.join(out, name))]
         print(json.dumps({name: digest(os.path.join(out, name)) for name in names}, indent=1, sort_keys=True))
         return
     os.makedirs(out, exist_ok=False)
     fingerprint = {}
     env = {**os.environ, "TQDM_DISABLE": "1"}
-    for name, command in runs(out, args.quick):
+    for name, command in selected:
         folder = os.path.join(out, name)
         command = command if command[0] == sys.executable else [sys.executable, *command]
         done = subprocess.run([*command, "--output_dir", folder, "--seed", "0"], cwd=args.repo, env=env,

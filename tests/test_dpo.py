@@ -82,15 +82,15 @@ def test_simpo_loss_normalises_by_length_and_subtracts_its_margin():
 def test_pair_losses_dispatch_and_rewards_per_loss_type():
     logps, ref_logps, lengths = torch.tensor([-2.0, -6.0]), torch.tensor([-3.0, -5.0]), torch.tensor([2.0, 3.0])
     cfg = dpo.Config(beta=0.5)
-    losses, rewards = dpo.pair_losses(cfg, logps, ref_logps, lengths)
+    losses, rewards = dpo.pair_losses(cfg, logps, ref_logps, lengths), dpo.rewards_of(cfg, logps, ref_logps, lengths)
     assert losses.tolist() == approx([-math.log(sigmoid(0.5 * 2.0))], terms=8)  # h = 1 - (-1) = 2
     assert rewards.tolist() == approx([0.5, -0.5], terms=4)
     cfg = dpo.Config(beta=0.5, loss_type="simpo", simpo_gamma=0.0)
-    losses, rewards = dpo.pair_losses(cfg, logps, None, lengths)
+    losses, rewards = dpo.pair_losses(cfg, logps, None, lengths), dpo.rewards_of(cfg, logps, None, lengths)
     assert rewards.tolist() == approx([-0.5, -1.0], terms=4)  # beta * log-prob per token
     assert losses.tolist() == approx([-math.log(sigmoid(0.5))], terms=8)
     cfg = dpo.Config(beta=0.5, loss_type="ipo")
-    assert dpo.pair_losses(cfg, logps, ref_logps, lengths)[0].tolist() == approx([(0.5 + 1 / 3 - 1) ** 2], terms=8)
+    assert dpo.pair_losses(cfg, logps, ref_logps, lengths).tolist() == approx([(0.5 + 1 / 3 - 1) ** 2], terms=8)
 
 
 def test_kto_loss_hand_computed_with_its_gradients():
@@ -160,12 +160,18 @@ def test_mismatched_rows_give_each_prompt_the_answer_of_the_row_before():
     assert torch.equal(mismatched_mask, (mismatched_ids != 0).long())
 
 
-def test_pair_losses_dispatch_kto_per_answer():
+def test_kto_counts_every_answer_and_its_rewards_are_the_implicit_rewards():
+    """KTO's loss is per answer, each counted with weight 1 (a tied pair's two answers too), where the pair
+    losses count each pair by its weight; its rewards for the metrics are DPO's implicit rewards."""
     logps, ref_logps, lengths = torch.tensor([-2.0, -6.0]), torch.tensor([-3.0, -5.0]), torch.tensor([2.0, 3.0])
     cfg = dpo.Config(beta=0.5, loss_type="kto", undesirable_weight=2.0)
-    losses, rewards = dpo.pair_losses(cfg, logps, ref_logps, lengths, torch.tensor([1.0, 0.0]), torch.tensor(0.0))
+    losses = dpo.kto_loss(logps, ref_logps, torch.tensor([1.0, 0.0]), torch.tensor(0.0), cfg.beta,
+                          cfg.desirable_weight, cfg.undesirable_weight)
     assert losses.tolist() == approx([1 - sigmoid(0.5), 2 * (1 - sigmoid(0.5))], terms=8, scale=2)
-    assert rewards.tolist() == approx([0.5, -0.5], terms=4)
+    assert dpo.rewards_of(cfg, logps, ref_logps, lengths).tolist() == approx([0.5, -0.5], terms=4)
+    pair_weights = torch.tensor([1.0, 0.0, 1.0])  # the second pair a tie
+    assert dpo.loss_weights(pair_weights, "kto").tolist() == [1.0] * 6
+    assert dpo.loss_weights(pair_weights, "sigmoid") is pair_weights
 
 
 def test_sequence_logprobs_sum_the_real_tokens_only():
