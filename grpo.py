@@ -306,7 +306,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
 
 
-def rows_of(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+def rows_or_none(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
     """A micro-batch's rows of a pass's log-probs; None (not computed: pi_old = pi, or no reference) stays None."""
     return None if values is None else values[rows]
 
@@ -521,8 +521,9 @@ def main(cfg: Config):
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
-                micro_loss = grpo_loss(micro_logprobs, rows_of(old_logprobs, rows), rows_of(ref_logprobs, rows),
-                                       advantages[rows], loss_mask[rows], cfg.epsilon, cfg.beta, cfg.loss_type,
+                micro_loss = grpo_loss(micro_logprobs, rows_or_none(old_logprobs, rows),
+                                       rows_or_none(ref_logprobs, rows), advantages[rows], loss_mask[rows],
+                                       cfg.epsilon, cfg.beta, cfg.loss_type,
                                        step_mask=loss_mask, epsilon_high=cfg.epsilon_high,
                                        importance_sampling_level=cfg.importance_sampling_level,
                                        max_completion_length=cfg.max_completion_length)

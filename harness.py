@@ -258,7 +258,7 @@ class Run:
         Returns the norm before clipping."""
         distributed.average_gradients(model)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm)
-        check_finite(self.step, self.dir, advice=self.what_helps(), grad_norm=grad_norm, loss=loss)
+        check_finite(self.step, self.dir, advice=self.what_helps, grad_norm=grad_norm, loss=loss)
         self.weights_gave_finite_values = True  # so the checkpoint of the last save is a good one (end_step)
         self.updated = True  # the script applies this update next
         return grad_norm
@@ -297,7 +297,7 @@ class Run:
         metrics = {**metrics, **parts, "time/backward": elapsed - sum(parts.values()), "time/step": elapsed}
         if self.step % self.cfg.logging_steps == 0 or self.step == self.cfg.max_steps:
             metrics = distributed.reduce_metrics(metrics)
-        check_finite(self.step, self.dir, after_update=True, advice=self.what_helps(),
+        check_finite(self.step, self.dir, after_update=True, advice=self.what_helps,
                      **{f"metric {key}": value for key, value in metrics.items() if isinstance(value, (int, float))})
         self.metrics = metrics
         shown = [key for key in ("loss", "reward", "score", "accuracy", "kl", "kl_sum") if key in metrics]
@@ -453,12 +453,13 @@ def _umask() -> int:
 
 
 def check_finite(step: int, run_dir: str, after_update: bool = False,
-                 advice: str = "a lower --learning_rate usually helps", **values):
+                 advice=lambda: "a lower --learning_rate usually helps", **values):
     """Stop at a NaN or infinite loss or gradient norm, naming the step, before the update is
     applied (after_update: at a metric logged after it, such as a KL). A checkpoint counts as good
     only once the weights it holds gave finite values: the one written after the last save
     (checkpoint.new) is dropped here when they did not, so --resume never restarts from weights
-    that already diverged (promote_checkpoint keeps it when they did). advice: what to change (Run.what_helps).
+    that already diverged (promote_checkpoint keeps it when they did). advice(): what to change
+    (Run.what_helps), asked only on a stop.
     Pass the gradient norm first: under torchrun it is the same on every process, so all stop together."""
     for name, value in values.items():
         value = float(value.detach()) if torch.is_tensor(value) else float(value)
@@ -469,7 +470,7 @@ def check_finite(step: int, run_dir: str, after_update: bool = False,
             fail(f"step {step}: the {name.replace('_', ' ')} is {value}; stopped "
                  + ("at this step's metrics" if after_update else "before applying this update")
                  + (f" ({kept} holds the last weights that gave finite values)" if kept else "")
-                 + f"; {advice} (in a new run: --overwrite_output_dir true)")
+                 + f"; {advice()} (in a new run: --overwrite_output_dir true)")
 
 
 def newest_checkpoint(run_dir: str) -> str | None:
@@ -748,7 +749,7 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
 
 def written_by_a_run(name: str) -> bool:
     """Is `name` a plain name inside a run folder (no folder part, not . or ..) that a run of this repo writes?"""
-    return (name == os.path.basename(name) and "/" not in name and name not in ("", ".", "..")
+    return (name == os.path.basename(name) and name not in ("", ".", "..")
             and (name in RUN_NAMES or name.endswith(".png") or re.fullmatch(r"model-\d+-of-\d+\.safetensors", name)
                  is not None))
 
@@ -765,8 +766,8 @@ def run_files(folder: str, record: str = RUN_FILE) -> set[str]:
     try:
         with open(path) as f:
             files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        files = error
+    except (OSError, ValueError, KeyError, TypeError):
+        files = None
     if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
         fail(f"{path} is not a record this repo writes (a list of the run's files), so the run it belongs to "
              "cannot be replaced safely; nothing was removed: delete that file (the files this repo writes then "
@@ -811,9 +812,11 @@ def _check_same_run(cfg, checkpoint: str, now: dict):
     except (OSError, ValueError):
         fail(f"{checkpoint} has no readable {RUN_FILE}, so it cannot say whose run it is: start a new run")
     if not isinstance(saved, dict) or not all(isinstance(saved.get(key), kind) for key, kind in RECORD.items()):
-        missing = "" if not isinstance(saved, dict) else next(key for key in RECORD if key not in saved)
+        wrong = "" if not isinstance(saved, dict) else next(key for key, kind in RECORD.items()
+                                                              if not isinstance(saved.get(key), kind))
         fail(f"{os.path.join(checkpoint, RUN_FILE)} is not a whole record of its run"
-             + (f" (it has no {missing!r})" if missing else "") + ", so --resume cannot tell whether the run it would "
+             + (f" (its {wrong!r} is {'missing' if wrong not in saved else 'not a ' + RECORD[wrong].__name__})"
+                if wrong else "") + ", so --resume cannot tell whether the run it would "
              "continue was set and fed as this one: start a new run (--overwrite_output_dir true)")
     if saved["script"] != now["script"]:
         fail(f"the checkpoint in {checkpoint} is {saved['script']}'s, not {now['script']}'s: "

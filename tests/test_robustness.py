@@ -206,7 +206,9 @@ CASES = [
     (ALL, ["--output_dir", "{tampered_abs}"], "which is not a file a run writes inside"),
     (ALL, ["--output_dir", "{record_list}"], "run.json is not a record this repo writes (a list of the run's files)"),
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{no_inputs}"],
-     "checkpoint/run.json is not a whole record of its run (it has no 'inputs'), so --resume cannot tell"),
+     "checkpoint/run.json is not a whole record of its run (its 'inputs' is missing), so --resume cannot tell"),
+    (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{inputs_list}"],
+     "checkpoint/run.json is not a whole record of its run (its 'inputs' is not a dict), so --resume cannot tell"),
     (["sft.py"], [*SFT_RUN, "--resume", "true", "--output_dir", "{record_array}"],
      "checkpoint/run.json is not a whole record of its run, so --resume cannot tell"),
     # the evaluation's settings are the run's: they change what an RL run samples
@@ -311,12 +313,13 @@ def bad_data(tmp_path_factory, sft_folder):
         folders[name] = str(tmp / name)
     write(tmp / "victim" / "notes.txt", "someone else's work")
     # sft.py runs whose checkpoint's record has no inputs, or is not a record at all
-    for name in ("no_inputs", "record_array"):
+    for name in ("no_inputs", "record_array", "inputs_list"):
         shutil.copytree(sft_folder, tmp / name, ignore=shutil.ignore_patterns("*.safetensors", "state.pt"))
         write(tmp / name / "checkpoint" / "state.pt", "a good state")
         record = json.loads((tmp / name / "checkpoint" / "run.json").read_text())
-        record.pop("inputs")
-        (tmp / name / "checkpoint" / "run.json").write_text(json.dumps(record if name == "no_inputs" else []))
+        inputs = record.pop("inputs")
+        record = {"no_inputs": record, "record_array": [], "inputs_list": {**record, "inputs": list(inputs)}}[name]
+        (tmp / name / "checkpoint" / "run.json").write_text(json.dumps(record))
         folders[name] = str(tmp / name)
     # ppo.py's critic (a scalar head, in the critic/ folder of a ppo.py run), and a reward model whose
     # tokenizer gives other ids than the policy's
