@@ -50,33 +50,28 @@ from common import setting
 
 @dataclass
 class Config:
-    model: str = "out/grpo"
-    """the policy to sample: a folder written by sft.py, grpo.py, ..., a hub id, or a .gguf file"""
     judge: str = "rule"
     """what picks the best of N: 'rule' (the checker) or a reward model folder written by reward_model.py"""
-    dataset: str = "data/arithmetic"
-    """held-out problems with gold answers: its test.jsonl (GSM8K's question / answer rows)"""
     num_samples: int = setting(64, lambda v: v >= 1, "at least 1")
     """n: answers sampled per problem; pass@k and best-of-N are read for k, N = 1, 2, 4, ... up to n"""
-    num_eval_examples: int = setting(500, lambda v: v >= 0, "0 or more (0: every held-out problem)")
-    """held-out problems to sample (the first ones of the test split)"""
-    temperature: float = setting(1.0, lambda v: v >= 0.01, "at least 0.01")
-    """sampling temperature"""
-    max_completion_length: int = setting(64, lambda v: v >= 1, "at least 1 token")
-    """longest answer in tokens"""
-    system_prompt: str = ""
-    """system message of every prompt (empty: none)"""
-    per_device_eval_batch_size: int = setting(512, lambda v: v >= 1, "at least 1")
+    # The settings a training run has too (harness.py declares them, with their checks): the run's help
+    # text, or the one written under the field where an evaluation differs.
+    model: str = harness.run_setting("model", "out/grpo")
+    """the policy to sample: a folder written by sft.py, grpo.py, ..., a hub id, or a .gguf file"""
+    dataset: str = harness.run_setting("dataset")
+    num_eval_examples: int = harness.run_setting("num_eval_examples")
+    """held-out problems to sample (the first ones of the test split; 0: all of them)"""
+    temperature: float = harness.run_setting("temperature")
+    """sampling temperature of the n answers"""
+    max_completion_length: int = harness.run_setting("max_completion_length")
+    system_prompt: str = harness.run_setting("system_prompt")
+    per_device_eval_batch_size: int = harness.run_setting("per_device_eval_batch_size")
     """answers sampled (and scored) at once"""
-    seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
-    """random seed of the sampling"""
-    output_dir: str = "out/best_of_n"
+    seed: int = harness.run_setting("seed")
+    output_dir: str = harness.run_setting("output_dir", "out/best_of_n")
     """where eval.json and best_of_n.png go"""
-    overwrite_output_dir: bool = False
-    """replace the evaluation (or the run of another script) in --output_dir: the new one is written into
-    <output_dir>/.next_run and moves in when it is whole, so one that fails leaves the old one whole"""
-    trust_remote_code: bool = False
-    """run a hub model's own Python code (only for models you trust)"""
+    overwrite_output_dir: bool = harness.run_setting("overwrite_output_dir")
+    trust_remote_code: bool = harness.run_setting("trust_remote_code")
 
 
 # ---------------------------------------------------------------------------------------------

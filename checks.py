@@ -1,12 +1,11 @@
 """Bad input gets one clear sentence and exit status 1, never a traceback (fail), before anything is
 written: a setting out of its range (check_settings), data rows a script cannot learn from
-(check_rows), sequences longer than the model's context (check_fits_context), a sharding request
-that cannot work (check_fsdp). The loaders in common.py call these as they read;
+(check_rows), a sharding request that cannot work (check_fsdp). The loaders in common.py call these
+as they read, and check the models they load themselves (the context, a half-replaced run folder);
 docs/troubleshooting.md says what each means, and tests/test_robustness.py's table holds every case.
 """
 import dataclasses
 import math
-import os
 
 from distributed import log
 
@@ -53,16 +52,6 @@ def check_fsdp(cfg, world_size: int):
         fail("--fsdp shards the model over processes: run the script under torchrun --nproc_per_node 2 (or more)")
 
 
-def check_whole_run(folder: str):
-    """Refuse to read a run folder (as --model, --reward_model, ...) while a finished run that replaces
-    the old one is half moved into it: its files would be a mix of two runs. The next run of a script
-    into the folder finishes the move (harness.prepare_output_dir)."""
-    if os.path.isfile(os.path.join(folder, NEXT_RUN, ".complete")):
-        fail(f"{folder} is half replaced: a finished run was being moved into it when it stopped, so it holds "
-             "files of two runs; run a script into it again (the same command with --resume true) to finish "
-             "the move, then read it")
-
-
 def check_finite_scores(scores, what: str):
     """Stop at a NaN or infinite score from a learned judge or reward model: compared or summed as
     numbers they would pass silently (NaN != NaN: every pair would count, its second sample chosen)."""
@@ -70,15 +59,6 @@ def check_finite_scores(scores, what: str):
         bad = scores[~scores.isfinite()][0].item()
         fail(f"{what} gave a score of {bad}: its scores must be finite numbers (a reward model written by "
              "reward_model.py that did not diverge)")
-
-
-def check_fits_context(model, num_tokens: int, what: str):
-    """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
-    rather than let them fail deep inside a forward pass."""
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and num_tokens > context:
-        fail(f"{what} needs {num_tokens} tokens, more than the model's context of {context}: "
-             "shorten the prompts or --max_completion_length")
 
 
 # Data checks: a row is usable when each column the script needs passes its check (None = usable).

@@ -38,8 +38,7 @@ from transformers import (  # noqa: E402
 
 import distributed  # noqa: E402
 import rollout  # noqa: E402
-from checks import (check_finite_scores, check_fits_context, check_length_drops, check_rows,  # noqa: E402, F401
-                    check_whole_run, fail)
+from checks import NEXT_RUN, check_finite_scores, check_length_drops, check_rows, fail  # noqa: E402, F401
 from distributed import global_min, global_sum, log  # noqa: E402, F401  (over processes; rank 0's line)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
@@ -55,14 +54,15 @@ def parse_config(config_class, args=None):
     string literal written under it, so `python grpo.py --help` documents every field. A script's
     Config extends harness.RunConfig: its own fields are listed first, then the run's; a run
     setting whose default the script changes may add a sentence of its own below the new default."""
-    docs = {}  # field -> [help of its declaration, the script's added sentence]
-    for cls in reversed([c for c in config_class.__mro__ if dataclasses.is_dataclass(c)]):
-        for name, text in _field_docs(cls).items():
-            docs.setdefault(name, []).append(text)
+    docs = field_help(config_class)
     script_doc = sys.modules["__main__"].__doc__
     parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     base = next((c for c in config_class.__mro__[1:] if dataclasses.is_dataclass(c)), None)
     run_fields = {f.name for f in dataclasses.fields(base)} if base else set()
+    for field in dataclasses.fields(config_class):  # harness.run_setting: a run's setting in another Config
+        if "run_setting" in field.metadata:
+            run_fields.add(field.name)
+            docs.setdefault(field.name, [field.metadata["help"]])
     groups = {False: parser.add_argument_group(f"{os.path.basename(inspect.getfile(config_class))}'s settings"),
               True: parser.add_argument_group("the run's settings (harness.py)")}
     for field in dataclasses.fields(config_class):
@@ -77,6 +77,15 @@ def parse_config(config_class, args=None):
             help=f"{'; '.join(docs.get(field.name, []))} (default: %(default)s)",
         )
     return config_class(**vars(parser.parse_args(args)))
+
+
+def field_help(config_class) -> dict:
+    """{field: [the help text of its declaration, the sentence each class that extends it adds]}."""
+    docs = {}
+    for cls in reversed([c for c in config_class.__mro__ if dataclasses.is_dataclass(c)]):
+        for name, text in _field_docs(cls).items():
+            docs.setdefault(name, []).append(text)
+    return docs
 
 
 def _field_docs(cls) -> dict:
@@ -306,6 +315,25 @@ def load_gguf(path: str, scalar_head: bool = False):
 def first_line(error: Exception) -> str:
     """The first line of an exception's message (its class name if it has none), for one-sentence errors."""
     return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def check_whole_run(folder: str):
+    """Refuse to read a run folder (as --model, --reward_model, ...) while a finished run that replaces
+    the old one is half moved into it: its files would be a mix of two runs. The next run of a script
+    into the folder finishes the move (harness.prepare_output_dir)."""
+    if os.path.isfile(os.path.join(folder, NEXT_RUN, ".complete")):
+        fail(f"{folder} is half replaced: a finished run was being moved into it when it stopped, so it holds "
+             "files of two runs; run a script into it again (the same command with --resume true) to finish "
+             "the move, then read it")
+
+
+def check_fits_context(model, num_tokens: int, what: str):
+    """Refuse sequences longer than the model's context (its position embeddings), in one sentence,
+    rather than let them fail deep inside a forward pass."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and num_tokens > context:
+        fail(f"{what} needs {num_tokens} tokens, more than the model's context of {context}: "
+             "shorten the prompts or --max_completion_length")
 
 
 # ---------------------------------------------------------------------------------------------

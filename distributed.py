@@ -10,9 +10,10 @@ returns its input. Under `torchrun --nproc_per_node N`:
                            (shard_model); the weights of a layer are gathered for its forward and
                            backward passes, and for the whole rollout (gathered).
 
-The scripts reach these through harness.Run (setup, the shared starting weights, sharding, the
-gradient average), the rollout (gathered) and common.py (global_sum, global_min: counts over every
-process); the memory each layout needs is memory_estimate's.
+Most of it is reached through harness.Run (setup, the shared starting weights, sharding, the gradient
+average, the metrics' mean, the saved weights) and the rollout (gathered); the scripts' loops use
+global_sum and global_min (counts over every process; common.py passes them on) and get_device, and
+the data is split by process_share. The memory each layout needs is memory_estimate's.
 """
 import atexit
 import contextlib

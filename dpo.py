@@ -369,7 +369,7 @@ def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
 
 @torch.no_grad()
 def step_log(cfg, step_pairs: tuple, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate) -> tuple:
-    """Step 5: run.log's arguments, the step's metrics and (online) its completions. The metrics, on
+    """Step 5: run.end_step's arguments, the step's metrics and (online) its completions. The metrics, on
     the CPU: the loss; kto_metrics over KTO's desirable and undesirable answers, or step_metrics over
     the counted pairs, with the rewards of rewards_of; online DPO's pairs and ties; the policy's
     entropy, a mean over the answers' tokens as TRL's DPOTrainer logs it. step_pairs: step 1's
@@ -504,9 +504,9 @@ def main(cfg: Config):
         optimizer.step()
         scheduler.step()
 
-        # 5. Metrics, and online the samples (completions.jsonl).
-        run.log(*step_log(cfg, step_pairs, logps, ref_logps, z0, entropy, loss, grad_norm, scheduler.get_last_lr()[0]))
-        run.end_step()  # 6. When due: evaluate, write the metrics line, save a checkpoint.
+        # 5. Log the metrics and (online) the samples; when due: evaluate, write the metrics line, save a checkpoint.
+        run.end_step(*step_log(cfg, step_pairs, logps, ref_logps, z0, entropy, loss, grad_norm,
+                               scheduler.get_last_lr()[0]))
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],
                                         "implicit rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],

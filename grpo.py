@@ -359,16 +359,16 @@ def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_
     }
 
 
-def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm, learning_rate, cfg,
+def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm, scheduler, cfg,
              rounds=None) -> tuple[dict, dict]:
-    """Step 6, run.log's two arguments: the step's metrics (its loss, step_metrics, the gradient's norm
+    """run.end_step's two arguments: the step's metrics (its loss, step_metrics, the gradient's norm
     before clipping, the learning rate; with dynamic sampling its rounds and kept groups) and what the
     policy wrote (completions.jsonl's columns). old_logprobs None: pi_old = pi."""
     old = old_logprobs if old_logprobs is not None else logprobs
     metrics = {"loss": loss.item(),
                **step_metrics(batch.rewards_per_func, batch.completion_mask, logprobs, old, ref_logprobs, advantages,
                               cfg, entropy),
-               "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
+               "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
                    cfg.num_generations} if rounds is not None else {})}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),
@@ -487,8 +487,7 @@ def main(cfg: Config):
             batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
                                              G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
             if batch is None:  # nothing to learn from this step
-                run.nothing_to_learn(NO_SPREAD)
-                run.log({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
+                run.nothing_to_learn(NO_SPREAD, {"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": 0})
                 continue
         rewards = batch.rewards_per_func.sum(dim=1)  # [B*G]
 
@@ -516,8 +515,7 @@ def main(cfg: Config):
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's counts, add up to it
-            logprobs = torch.zeros_like(loss_mask, dtype=torch.float)  # [B*G, T], for the metrics
-            entropy = torch.zeros_like(logprobs)  # [B*G, T]
+            logprobs, entropy = (torch.zeros_like(loss_mask, dtype=torch.float) for _ in range(2))  # [B*G, T], metrics
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
@@ -534,10 +532,8 @@ def main(cfg: Config):
             optimizer.step()
             scheduler.step()
 
-        # 6. Metrics, and what the policy wrote (completions.jsonl).
-        run.log(*step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm,
-                          scheduler.get_last_lr()[0], cfg, rounds if cfg.dynamic_sampling else None))
-        run.end_step()  # 7. When due: evaluate, write the metrics line, save a checkpoint.
+        run.end_step(*step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm,
+                               scheduler, cfg, rounds if cfg.dynamic_sampling else None))  # when due: evaluate, save
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

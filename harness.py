@@ -11,8 +11,7 @@ final save. A script makes one Run; its loop holds the algorithm and these calls
         ...                                               # the algorithm: rollout, rewards, loss, loss.backward()
         grad_norm = run.clip_gradients(model, loss)       # DDP average, clip; a NaN or inf stops the run here
         optimizer.step()
-        run.log(metrics)                                  # the step's metrics (+ time/*); DDP: the mean over processes
-        run.end_step()                                    # evaluate, write the metrics line, save: when due
+        run.end_step(metrics)                             # log the step (+ time/*); evaluate, write, save: when due
     run.finish(tokenizer, {"": model}, plots, "GRPO")     # the model, eval.json, the PNG; the folder moves in
 
 None of it changes what a step computes: the same seed gives the same numbers with any of it.
@@ -47,7 +46,7 @@ import distributed
 import rollout
 from checks import NEXT_RUN, check_fsdp, check_settings, fail
 from common import first_line, log, setting
-from distributed import full_state_dict, is_main_process, is_sharded
+from distributed import full_state_dict, is_main_process
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +158,16 @@ class RLConfig(PolicyConfig):
     (0 = never)"""
 
 
+def run_setting(name: str, default=dataclasses.MISSING):
+    """A run setting (RLConfig's, or a class it extends) in a Config that is not a training run's
+    (best_of_n.py): its check and its --help come from the one declaration, at its default or
+    `default`. A docstring under the field replaces the run's help text (common.parse_config)."""
+    field = RLConfig.__dataclass_fields__[name]
+    return dataclasses.field(default=field.default if default is dataclasses.MISSING else default,
+                             metadata={**field.metadata, "run_setting": True,
+                                       "help": "; ".join(common.field_help(RLConfig)[name])})
+
+
 class Run:
     """One training run (see the module docstring). The loop reads: rank, world_size, device, rng
     (the data order: prompts, batches; kept in every checkpoint) and dir (the folder being written:
@@ -182,6 +191,7 @@ class Run:
         self.step, self.metrics, self.sample, self.progress_postfix = 0, {}, None, {}
         self.learned_steps, self.no_signal = 0, None  # steps that had something to learn from; why one had not
         self.updated = False  # whether an update was applied to the weights yet (a clip_gradients check passed)
+        self.sharded = False  # whether shard() split the models over the processes (--fsdp)
 
     def prepare(self, model, scalar_head: bool = False):
         """The model as training needs it: activations recomputed in the backward pass
@@ -201,6 +211,7 @@ class Run:
         """--fsdp: each process keeps 1/N of every weight, gradient and AdamW state of these models
         (distributed.shard_model; None is skipped). Call it before building the optimizer."""
         if self.cfg.fsdp:
+            self.sharded = True
             for model in models:
                 if model is not None:
                     distributed.shard_model(model)
@@ -223,7 +234,8 @@ class Run:
         eval/<name>."""
         cfg = self.cfg
         self.evaluate, self.state = evaluate, state if state is not None else {}
-        self.training_state = dict(models=models, optimizers=optimizers, schedulers=schedulers, rng=self.rng)
+        self.training_state = dict(models=models, optimizers=optimizers, schedulers=schedulers, rng=self.rng,
+                                   sharded=self.sharded)
         if cfg.resume:  # continue exactly where the last checkpoint stopped
             first_step, results = load_training_state(self.dir, **self.training_state)
             self.started -= results.get("elapsed", 0.0)
@@ -279,10 +291,13 @@ class Run:
                     "holds finite weights")
         return " or ".join(helps) + " usually helps"
 
-    def nothing_to_learn(self, why: str):
-        """This step had nothing to learn from (why: a sentence, and what would give it something). A run
-        none of whose steps had anything stops at its end with that sentence, and saves nothing."""
+    def nothing_to_learn(self, why: str, metrics: dict | None = None):
+        """This step had nothing to learn from (why: a sentence, and what would give it something); its
+        metrics, if given, are logged (log). A run none of whose steps had anything stops at its end with
+        that sentence, and saves nothing."""
         self.step_had_signal, self.no_signal = False, why
+        if metrics is not None:
+            self.log(metrics)
 
     def log(self, metrics: dict, completions: dict | None = None) -> dict:
         """This step's metrics, written to metrics.jsonl when the step ends (every --logging_steps),
@@ -322,7 +337,7 @@ class Run:
             path = os.path.join(self.dir, folder) if folder else self.dir
             if folder and is_main_process():
                 os.makedirs(path, exist_ok=True)
-            save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder)
+            save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder, self.sharded)
         write_json(os.path.join(self.dir, "eval.json"), self.scores)
         png = plot_metrics(self.dir, plots, title)
         finish_output_dir(self.dir, self.cfg, self.record)
@@ -332,11 +347,14 @@ class Run:
         log(f"saved to {self.cfg.output_dir}; held-out {change} (n={self.scores['n']}); "
             f"curves in {os.path.join(self.cfg.output_dir, png)}")
 
-    def end_step(self):
-        """The work after a step's update, the loop's last line: evaluate() every --eval_steps and at
-        the last step; the step's metrics line (every --logging_steps, with the evaluation's scores);
-        the last save's checkpoint promoted once this step's weights gave finite values; a resumable
-        checkpoint every --save_steps and at the end (after the evaluation: a resume repeats nothing)."""
+    def end_step(self, metrics: dict | None = None, completions: dict | None = None):
+        """The work after a step's update, the loop's last line: the step's metrics, if given, logged
+        (log); evaluate() every --eval_steps and at the last step; the step's metrics line (every
+        --logging_steps, with the evaluation's scores); the last save's checkpoint promoted once this
+        step's weights gave finite values; a resumable checkpoint every --save_steps and at the end
+        (after the evaluation: a resume repeats nothing)."""
+        if metrics is not None:
+            self.log(metrics, completions)
         self.step_ended = True
         cfg, step = self.cfg, self.step
         self.learned_steps += self.step_had_signal
@@ -418,18 +436,19 @@ def writing(what: str, folder: str, temporary: str | None = None):
                                  if kept else "no checkpoint of this run was written yet, so it starts over"))
 
 
-def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False):
+def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False, sharded: bool = False):
     """Write model + tokenizer to a temporary folder first, then move the files into place, so a
     crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
     is the adapter only (adapter_config.json names the base model; load_model merges them), and
     with merge_lora also the adapter merged into a copy of its base, in <output_dir>/merged.
-    Rank 0 writes; a sharded model (--fsdp) is first gathered whole, from every process."""
-    state_dict = full_state_dict(model) if is_sharded(model) else None  # FSDP: every process sends its shards
-    if not is_main_process():
-        return
-    if merge_lora and hasattr(model, "merge_and_unload"):
+    Rank 0 writes; a sharded model (sharded: Run.shard split it, --fsdp) is first gathered whole, from
+    every process (--merge_lora is refused with --fsdp: check_fsdp)."""
+    if merge_lora and hasattr(model, "merge_and_unload") and is_main_process():
         os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)
         save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
+    state_dict = full_state_dict(model) if sharded else None  # FSDP: every process sends its shards
+    if not is_main_process():
+        return
     tmp = os.path.join(output_dir, ".checkpoint_tmp")
     remove(tmp)
     with writing("the trained model", output_dir, temporary=tmp):
@@ -502,7 +521,8 @@ def remove(path: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def save_training_state(run_dir: str, record: dict, step: int, results: dict, models, optimizers, schedulers, rng):
+def save_training_state(run_dir: str, record: dict, step: int, results: dict, models, optimizers, schedulers, rng,
+                        sharded: bool = False):
     """A resumable checkpoint: the weights, optimizer and scheduler states, every random generator
     (of every process), the step, the metrics logged so far and run.json (run_record: script,
     model, settings, inputs), so that --resume continues exactly where the run was, bit for bit on the same
@@ -510,7 +530,7 @@ def save_training_state(run_dir: str, record: dict, step: int, results: dict, mo
 
     Written whole into checkpoint.tmp, then renamed to checkpoint.new; the next step promotes it
     to checkpoint once its weights gave finite values. A kill at any moment leaves a whole
-    checkpoint (newest_checkpoint finds it). With --fsdp every process writes the shards of the
+    checkpoint (newest_checkpoint finds it). With --fsdp (sharded) every process writes the shards of the
     weights and AdamW states it holds, into checkpoint.tmp/sharded (torch.distributed.checkpoint:
     the output folder must be one that every machine sees); rank 0 writes the rest."""
     generators = {"python": random.getstate(),
@@ -522,7 +542,7 @@ def save_training_state(run_dir: str, record: dict, step: int, results: dict, mo
         dist.all_gather_object(all_generators, generators)
     else:
         all_generators = [generators]
-    sharded, tmp = is_sharded(models[0]), os.path.join(run_dir, "checkpoint.tmp")
+    tmp = os.path.join(run_dir, "checkpoint.tmp")
     with writing("a checkpoint", run_dir, temporary=tmp):  # e.g. a full disk: the checkpoints before stay whole
         if is_main_process():
             promote_checkpoint(run_dir)  # an older checkpoint.new that no gradient check came after
@@ -555,7 +575,7 @@ def _sharded_state(models, optimizers) -> dict:
             **{f"optimizer_{i}": get_optimizer_state_dict(m, o) for i, (m, o) in enumerate(zip(models, optimizers))}}
 
 
-def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tuple[int, dict]:
+def load_training_state(run_dir: str, models, optimizers, schedulers, rng, sharded: bool = False) -> tuple[int, dict]:
     """Restore the newest checkpoint (weights_only: tensors and plain values, no pickled code),
     and metrics.jsonl as it was at its step (a missing or torn metrics file does not matter).
     prepare_output_dir has checked that it is this script's and model's. Returns (step, results)."""
@@ -565,15 +585,15 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng) -> tu
     except Exception as error:
         fail(f"{path}/state.pt cannot be read ({first_line(error)}): it was damaged after it was written; "
              "start a new run (--overwrite_output_dir true)")
-    if is_sharded(models[0]):  # FSDP: each process reads its own shards
+    if sharded:  # FSDP: each process reads its own shards
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        sharded = _sharded_state(models, optimizers)  # the shapes to read into
-        dcp.load(sharded, checkpoint_id=os.path.join(path, "sharded"))
+        shards = _sharded_state(models, optimizers)  # the shapes to read into
+        dcp.load(shards, checkpoint_id=os.path.join(path, "sharded"))
         for i, (model, optimizer) in enumerate(zip(models, optimizers)):
-            set_model_state_dict(model, sharded[f"model_{i}"])
-            set_optimizer_state_dict(model, optimizer, sharded[f"optimizer_{i}"])
+            set_model_state_dict(model, shards[f"model_{i}"])
+            set_optimizer_state_dict(model, optimizer, shards[f"optimizer_{i}"])
     for model, saved in zip(models, state["models"]):
         model.load_state_dict(saved)
     for optimizer, saved in zip(optimizers, state["optimizers"]):

@@ -192,7 +192,7 @@ def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, exp
 
 def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy, completion_mask, loss,
              grad_norm, learning_rate, cfg) -> tuple[dict, dict]:
-    """Step 6, run.log's two arguments: the metrics (the loss, grpo.py's step_metrics on the rollouts, the grad
+    """Step 6, run.end_step's two arguments: the metrics (the loss, grpo.py's step_metrics on the rollouts, the grad
     norm, the learning rate, mix_metrics) and the rollouts' completions.jsonl columns. old_logprobs None: pi."""
     old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
     metrics = {"loss": loss.item(),
@@ -268,8 +268,7 @@ def main(cfg: Config):
         for _ in range(cfg.num_iterations):
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's counts, add up to it
-            logprobs = torch.zeros_like(completion_mask, dtype=torch.float)  # [B*G+E, T], for the metrics
-            entropy = torch.zeros_like(logprobs)  # [B*G+E, T]
+            logprobs, entropy = (torch.zeros_like(completion_mask, dtype=torch.float) for _ in range(2))  # [B*G+E, T]
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
@@ -286,10 +285,9 @@ def main(cfg: Config):
             optimizer.step()
             scheduler.step()
 
-        # 6. Metrics: grpo.py's on the usual rows (the rollouts), and MIX's terms; what the policy wrote.
-        run.log(*step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
-                          completion_mask, loss, grad_norm, scheduler.get_last_lr()[0], cfg))
-        run.end_step()  # 7. When due: evaluate, write the metrics line, save a checkpoint.
+        # 6. Log grpo.py's metrics on the rollouts, MIX's terms and what the policy wrote; when due: evaluate, save.
+        run.end_step(*step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
+                               completion_mask, loss, grad_norm, scheduler.get_last_lr()[0], cfg))
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

@@ -254,10 +254,11 @@ def clip_fraction(unclipped_loss, clipped_loss, mask) -> float:
 @torch.no_grad()
 def update_stats(actor_loss, critic_loss, logprobs, values, entropy, exp, idx, cfg) -> dict:
     """What one update of actor and critic logs: its two losses, the share of tokens where each clip
-    took over (clip_fraction), and the policy's entropy. logprobs, values, entropy [b, T]: the update's
-    rows idx [b] of the experience exp."""
-    old_logprobs, old_values, advantages, returns, mask = (
-        x[idx] for x in (exp.old_logprobs, exp.old_values, exp.advantages, exp.returns, exp.mask))
+    took over (clip_fraction), and the policy's entropy, on the update's rows idx [b] of the experience
+    exp (logprobs, values, entropy [B, T]: the update's own, on those rows)."""
+    logprobs, values, entropy, old_logprobs, old_values, advantages, returns, mask = (
+        x[idx] for x in (logprobs, values, entropy, exp.old_logprobs, exp.old_values, exp.advantages, exp.returns,
+                         exp.mask))
     ratio = torch.exp(torch.where(mask.bool(), logprobs - old_logprobs, 0.0))  # [b, T]
     clipped_ratio = torch.clamp(ratio, 1 - cfg.cliprange, 1 + cfg.cliprange)
     clipped_values = torch.clamp(values, old_values - cfg.cliprange_value, old_values + cfg.cliprange_value)
@@ -275,10 +276,11 @@ def completions_to_log(exp) -> dict:
 
 
 @torch.no_grad()
-def step_metrics(exp, answers, updates) -> dict:
+def step_metrics(exp, answers, updates, kl_coef: float, scheduler) -> dict:
     """What a step logs: the reward model's score and, when the data has answers, the rule-based
     accuracy of the same completions (do they rise together?); the KL to the reference; the mean of
-    the updates' update_stats; how well the critic's values fit the returns. exp: the Experience."""
+    the updates' update_stats; how well the critic's values fit the returns; the step's KL coefficient
+    and learning rate. exp: the Experience."""
     score, completions, mask, old_logprobs, ref_logprobs, old_values, returns = (
         exp.score, exp.completions, exp.mask, exp.old_logprobs, exp.ref_logprobs, exp.old_values, exp.returns)
     return {
@@ -291,6 +293,7 @@ def step_metrics(exp, answers, updates) -> dict:
         **{key: sum(u[key] for u in updates) / len(updates) for key in updates[0]},  # the mean over updates
         "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
         "completion_length": mask.sum(dim=1).float().mean().item(),
+        "kl_coef": kl_coef, "learning_rate": scheduler.get_last_lr()[0],
     }
 
 
@@ -302,6 +305,11 @@ class Pass(NamedTuple):
     logprobs: torch.Tensor  # the actor's log-probs of the completion tokens
     entropy: torch.Tensor  # the actor's entropy at each position (no gradient)
     values: torch.Tensor  # the critic's values V(s_t)
+
+    def of(self, rows) -> "Pass":
+        """These rows of a pass over more. Speed: when a step makes one update (makes_one_update),
+        make_experience runs its pass already, and the update reads its rows from it."""
+        return Pass(*(x[rows] for x in self))
 
 
 def training_pass(actor, critic, input_ids, attention_mask, num_completion_tokens: int, temperature: float) -> Pass:
@@ -448,43 +456,37 @@ def main(cfg: Config):
         updates = []  # what each update logs (update_stats)
         for _ in range(cfg.num_ppo_epochs):
             for idx in torch.randperm(B).chunk(cfg.num_mini_batches):
-                # Gradient accumulation: the mini-batch in micro-batches, each loss divided by the mini-batch's tokens.
-                step_tokens = common.mean_denominator(exp.mask[idx])
-                logprobs, entropy, values = (torch.zeros(len(idx), T, device=run.device) for _ in range(3))  # detached
+                step_tokens = common.mean_denominator(exp.mask[idx])  # every micro-batch's loss divides by it
+                logprobs, entropy, values = (torch.zeros(B, T, device=run.device) for _ in range(3))  # detached
                 actor_loss = critic_loss = 0.0
-                for part in torch.arange(len(idx)).chunk(cfg.gradient_accumulation_steps):
-                    rows = idx[part]
-                    micro = (Pass(*(x[rows] for x in exp.first_pass)) if exp.first_pass is not None else
-                             training_pass(actor, critic, exp.input_ids[rows], exp.attention_mask[rows], T,
-                                           cfg.temperature))  # [b', T] each
+                for rows in idx.chunk(cfg.gradient_accumulation_steps):  # gradient accumulation: the micro-batches
+                    micro = (training_pass(actor, critic, exp.input_ids[rows], exp.attention_mask[rows], T,
+                                           cfg.temperature) if exp.first_pass is None  # [b', T] each
+                             else exp.first_pass.of(rows))  # Speed: makes_one_update's pass, run already
                     micro_actor_loss = ppo_actor_loss(micro.logprobs, exp.old_logprobs[rows], exp.advantages[rows],
                                                       exp.mask[rows], cfg.cliprange, step_tokens)
                     micro_critic_loss = ppo_critic_loss(micro.values, exp.old_values[rows], exp.returns[rows],
                                                         exp.mask[rows], cfg.cliprange_value, step_tokens)
                     micro_actor_loss.backward()  # gradients add up over the micro-batches
                     micro_critic_loss.backward()
-                    logprobs[part], entropy[part], values[part] = (micro.logprobs.detach(), micro.entropy,
-                                                                   micro.values.detach())
+                    logprobs[rows], entropy[rows], values[rows] = (x.detach() for x in micro)  # Pass's order
                     actor_loss = actor_loss + micro_actor_loss.detach()
                     critic_loss = critic_loss + micro_critic_loss.detach()
                 for loss, model, optimizer in ((actor_loss, actor, actor_optimizer),
                                                (critic_loss, critic, critic_optimizer)):
                     run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
                     optimizer.step()
-                    # gradients freed at once, not kept until the next update: the next step's
-                    # training pass may run before its update (makes_one_update) and needs the memory
-                    optimizer.zero_grad(set_to_none=True)
+                    optimizer.zero_grad(set_to_none=True)  # now: the next step's first pass may need the memory
                 for scheduler in schedulers:
                     scheduler.step()
                 updates.append(update_stats(actor_loss, critic_loss, logprobs, values, entropy, exp, idx, cfg))
 
-        # 6. Metrics: the reward model's score and, on the same completions, the rule-based truth.
-        metrics = run.log({**step_metrics(exp, step_data.get("answer"), updates), "kl_coef": state["kl_coef"],
-                           "learning_rate": schedulers[0].get_last_lr()[0]}, completions=completions_to_log(exp))
+        metrics = run.log(step_metrics(exp, step_data.get("answer"), updates, state["kl_coef"], schedulers[0]),
+                          completions_to_log(exp))  # the score and, on the same completions, the rule-based truth
         if cfg.target_kl is not None:  # the KL of all processes (metrics are reduced), so every process agrees
             state["kl_coef"] = adaptive_kl_coef(state["kl_coef"], metrics["kl_sum"], cfg.target_kl, cfg.kl_horizon,
                                                 B * run.world_size)
-        run.end_step()  # 7. when due: evaluate, write the metrics line, save a checkpoint
+        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
 
     run.finish(tokenizer, {"": actor, "critic": critic},
                {"reward model score": ["score", "eval/score"],

@@ -259,10 +259,11 @@ def main(cfg: Config):
         scheduler.step()
         chosen_scores, rejected_scores = torch.cat(chosen_scores), torch.cat(rejected_scores)  # the whole step's
         margins = chosen_scores - rejected_scores
-        run.log({"loss": loss.item(), "accuracy": (margins > 0).float().mean().item(), "margin": margins.mean().item(),
-                 "score/chosen": chosen_scores.mean().item(), "score/rejected": rejected_scores.mean().item(),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
-        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
+        # The step's metrics; when due: evaluate, write the metrics line, save a checkpoint.
+        run.end_step({"loss": loss.item(), "accuracy": (margins > 0).float().mean().item(),
+                      "margin": margins.mean().item(), "score/chosen": chosen_scores.mean().item(),
+                      "score/rejected": rejected_scores.mean().item(), "grad_norm": grad_norm.item(),
+                      "learning_rate": scheduler.get_last_lr()[0]})
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"], "pairwise accuracy": ["accuracy", "eval/pairwise_accuracy",
                                                                               "eval/policy_pairwise_accuracy"],

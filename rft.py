@@ -56,6 +56,10 @@ class Config(harness.RLConfig):
                         f"multiple of --num_generations ({self.num_generations})")
 
 
+NOTHING_KEPT = ("the checker accepted none of the samples (a policy that writes the answer format sometimes, or a "
+                "higher --temperature, gives some)")
+
+
 def keep_mask(accepted: torch.Tensor, num_generations: int, keep: str) -> torch.Tensor:
     """Step 3: which of the B*k answers to imitate. accepted [B*k] (1 or 0, groups of k contiguous) ->
     kept [B*k] bool: every accepted one ('all'), or the first accepted one of each group ('first')."""
@@ -65,6 +69,16 @@ def keep_mask(accepted: torch.Tensor, num_generations: int, keep: str) -> torch.
     grouped = accepted.view(-1, num_generations)  # [B, k]
     first = grouped & (grouped.cumsum(dim=1) == 1)  # the first True of each row
     return first.flatten()
+
+
+def step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts: list, completions: list
+             ) -> tuple[dict, dict]:
+    """run.end_step's two arguments: the step's metrics (accuracy: of the samples, as grpo.py's; kept:
+    the share imitated) and what the policy wrote (completions.jsonl's columns)."""
+    metrics = {"loss": loss.item(), "accuracy": accepted.mean().item(), "kept": kept.float().mean().item(),
+               "completion_length": completion_mask.sum(1).float().mean().item(), "grad_norm": grad_norm.item(),
+               "learning_rate": scheduler.get_last_lr()[0]}
+    return metrics, {"prompt": prompts, "completion": completions, "accepted": accepted.tolist()}
 
 
 def main(cfg: Config):
@@ -96,9 +110,7 @@ def main(cfg: Config):
         # 3. Keep what the policy will imitate.
         kept = keep_mask(accepted, k, cfg.keep).to(run.device)  # [B*k] bool
         if common.global_sum(int(kept.sum())) == 0:  # (of every process) nothing accepted: nothing to imitate
-            run.nothing_to_learn("the checker accepted none of the samples (a policy that writes the answer format "
-                                 "sometimes, or a higher --temperature, gives some)")
-            run.log({"accuracy": accepted.mean().item(), "kept": 0.0})
+            run.nothing_to_learn(NOTHING_KEPT, {"accuracy": accepted.mean().item(), "kept": 0.0})
             continue
 
         # 4. SFT step on the kept answers: the token-mean NLL over the step's kept tokens (of every process).
@@ -118,11 +130,7 @@ def main(cfg: Config):
         optimizer.step()
         scheduler.step()
 
-        run.log({"loss": loss.item(), "accuracy": accepted.mean().item(),  # the samples' accuracy, as grpo.py's
-                 "kept": kept.float().mean().item(), "completion_length": completion_mask.sum(1).float().mean().item(),
-                 "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]},
-                completions={"prompt": prompts, "completion": completions, "accepted": accepted.tolist()})
-        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
+        run.end_step(*step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts, completions))
 
     run.finish(tokenizer, {"": model}, {"accepted and kept": ["accuracy", "kept"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

@@ -38,6 +38,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import DynamicLayer
 
@@ -181,7 +182,7 @@ def log_probs_pass(model, input_ids, attention_mask, T: int, temperature: float,
       length_chunks   rows sorted by completion length, in chunks cut to their own longest completion,
                       so no forward or backward work is spent on the padding after the shorter ones"""
     shared = None
-    if share_prompts and not checkpointing(model) and not distributed.is_sharded(model):
+    if share_prompts and not checkpointing(model) and not isinstance(model, FSDPModule):  # FSDPModule: --fsdp
         shared = distinct_prompts_if_shared(model, input_ids[:, :-T], attention_mask[:, :-T])
     if length_chunks == 1 and shared is None:  # the plain path
         return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
@@ -436,7 +437,7 @@ def static_cache_refusal(model, cache) -> str | None:
     the whole sequence (a plain KV cache: no sliding window), not sharded (--fsdp gathers the
     weights anew for each rollout, where the static cache would hold a copy of them)."""
     config = model.config
-    if distributed.is_sharded(model):
+    if isinstance(model, FSDPModule):  # a policy sharded by --fsdp is one at its root (distributed.shard_model)
         return "static_cache does not run a model sharded by --fsdp"
     if config.model_type not in STATIC_MODELS or config.hidden_act != "silu":
         return f"static_cache computes {' and '.join(STATIC_MODELS)} models with SiLU (not {config.model_type})"

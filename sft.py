@@ -178,8 +178,8 @@ def main(cfg: Config):
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
-        run.log({"loss": loss.item(), "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
-        run.end_step()  # when due: evaluate, write the metrics line, save a checkpoint
+        # The step's metrics; when due: evaluate, write the metrics line, save a checkpoint.
+        run.end_step({"loss": loss.item(), "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]})
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss", "eval/loss"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"]}, "SFT")

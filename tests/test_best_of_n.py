@@ -1,5 +1,6 @@
 """best_of_n.py: pass@k against its definition and hand values, the best-of-N expectation against every
 subset, the KL formula's values, and a short evaluation whose invariants hold."""
+import dataclasses
 import itertools
 import json
 import math
@@ -50,6 +51,32 @@ def test_best_of_n_kl_values():
 
 
 @pytest.mark.slow
+def test_the_settings_an_evaluation_shares_with_a_run_are_the_runs():
+    """best_of_n.Config declares the run's settings through harness.run_setting: the run's check (a
+    bad value is the same one sentence), its help text unless the evaluation writes its own, and the
+    run's default unless it names another."""
+    import checks
+    import harness
+
+    with pytest.raises(SystemExit, match="--temperature must be at least 0.01"):
+        checks.check_settings(best_of_n.Config(temperature=0.001))
+    with pytest.raises(SystemExit, match="--max_completion_length must be at least 1 token, not 0"):
+        checks.check_settings(best_of_n.Config(max_completion_length=0))
+    run_help, help_ = common.field_help(harness.RLConfig), {}
+    for field in dataclasses.fields(best_of_n.Config):
+        if field.metadata.get("run_setting"):
+            help_[field.name] = field.metadata["help"]
+            assert field.metadata["help"] == "; ".join(run_help[field.name])
+            assert field.metadata.get("usable") is harness.RLConfig.__dataclass_fields__[field.name].metadata.get(
+                "usable"), field.name
+    assert set(help_) == {"model", "dataset", "num_eval_examples", "temperature", "max_completion_length",
+                          "system_prompt", "per_device_eval_batch_size", "seed", "output_dir", "overwrite_output_dir",
+                          "trust_remote_code"}
+    defaults = {f.name: f.default for f in dataclasses.fields(best_of_n.Config)}
+    assert defaults["model"] == "out/grpo" and defaults["output_dir"] == "out/best_of_n"
+    assert defaults["seed"] == harness.RunConfig.seed and defaults["temperature"] == harness.RLConfig.temperature
+
+
 def test_a_judge_with_its_own_tokenizer_scores_the_samples_as_the_same_judge_with_the_policys():
     """best_of_n's samples, scored by a judge whose tokenizer gives other ids for the same text (our byte
     tokenizer rotated by 7, its embedding rows rotated with it), get the same scores to the bit as the
