@@ -34,7 +34,8 @@ class Config(harness.RunConfig):
     policy_prompts: int = setting(3000, lambda v: v >= 0, "0 or more")
     """prompts on which the --model policy samples answers that the checker labels, for extra pairs
     (0 = the shipped pairs only; needs <answer> tags in the chosen answers). The default takes every shipped
-    training prompt: the more of the policy's own mistakes the reward model has seen, the less PPO can game it"""
+    training prompt: pairs of the policy's own mistakes may make the reward model harder for PPO to game (one seed
+    suggests it: docs/lessons.md, L27)"""
     samples_per_prompt: int = setting(8, lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one")
     """policy samples per prompt; each wrong one is paired with a right one"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")

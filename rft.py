@@ -12,7 +12,9 @@ advantage, no ratio, no reference model. One step:
 
 Why it is policy gradient (ReST-EM, section 3): with reward r(y) = 1 for an accepted answer and 0
 otherwise, the REINFORCE estimate sum_y r(y) grad log pi(y|x) over the samples is the gradient of
-the log-likelihood of the accepted samples, the SFT gradient on the kept answers. What it leaves
+the log-likelihood of the accepted samples: the SFT gradient on the kept answers points the same
+way, scaled (sft_loss divides by the kept tokens, REINFORCE by the samples), and with --keep first
+it is not REINFORCE's estimator (tests/test_rft.py). What it leaves
 out against GRPO: a baseline (a wrong answer is never pushed down, a right one is pulled up however
 easy its prompt), the clip, and the KL term. Its only guard against drifting is that it imitates
 answers the checker accepts.

@@ -98,7 +98,7 @@ def pass_at_k_panel(ax, results: dict, labels: dict):
 
 
 def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
-    fig, (left, right, third) = plt.subplots(1, 3, figsize=(15, 4.6))
+    fig, (left, right, proxy, third) = plt.subplots(1, 4, figsize=(20, 4.6))
     pass_at_k_panel(left, results, MODELS)
     sft = results["sft"]
     kl = [row["kl"] for row in sft[0]["best_of_n"].values()]
@@ -106,27 +106,27 @@ def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
          "best of N by the checker (= pass@N)", "tab:gray", marker=".")
     band(right, kl, [[100 * row["gold"] for row in run["best_of_n"].values()] for run in sft],
          "best of N by the reward model: gold (checker)", "tab:green")
-    proxy = right.twinx()
     band(proxy, kl, [[row["proxy"] for row in run["best_of_n"].values()] for run in sft],
-         "the same answer's proxy score (reward model)", "tab:red", marker="s")
-    proxy.set_ylabel("reward model's score of the kept answer", color="tab:red")
-    top = right.secondary_xaxis("top")  # N, above the KL it gives
-    top.set_xticks(kl, [str(N) for N in sft[0]["best_of_n"]], fontsize=7)
-    top.set_xlabel("N", fontsize=8)
-    right.set(xlabel="KL(best-of-N || SFT policy) = log N - (N-1)/N, nats", ylabel="kept answer right (%)",
-              title="best-of-N of the SFT model: gold and proxy")
-    lines = right.get_legend_handles_labels()[0] + proxy.get_legend_handles_labels()[0]
-    right.legend(lines, [line.get_label() for line in lines], fontsize=7, loc="lower left")
+         "the kept answer's proxy score (reward model)", "tab:red", marker="s")
+    bound = "KL(best-of-N || SFT policy) <= log N - (N-1)/N, nats (the bound)"
+    for ax in (right, proxy):
+        top = ax.secondary_xaxis("top")  # N, above the KL bound it gives
+        top.set_xticks(kl, [str(N) for N in sft[0]["best_of_n"]], fontsize=7)
+        top.set_xlabel("N", fontsize=8)
+        ax.legend(fontsize=7, loc="lower left")
+    right.set(xlabel=bound, ylabel="kept answer right (%)", title="best-of-N of the SFT model: gold (checker)")
+    proxy.set(xlabel=bound, ylabel="reward model's score of the kept answer",
+              title="the same answers: proxy (reward model)")
     band(third, kl, [[100 * row["gold"] for row in run["best_of_n"].values()] for run in sft],
          "best-of-N by the reward model (N = 1 ... 64)", "tab:green")
     for method, color in (("rm_ppo", "tab:purple"), ("dpo_online_rm", "tab:brown")):
         for i, points in enumerate(results["along_training"][method]):  # one line per seed, steps 0, 20, 40
             third.plot([p["kl"] for p in points], [100 * p["gold"] for p in points], marker="^", color=color,
                        alpha=0.8, label=f"{TRAINED[method]} on it, steps 0, 20, 40 (a seed each)" if i == 0 else None)
-    third.set(xlabel="KL to the SFT policy, nats", ylabel="right (%): kept answer, or held-out sampled",
-              title="gold along KL: sampling against training")
+    third.set(xlabel="KL to SFT, nats (best-of-N: the bound;\nPPO: k1 sum; online DPO: log-ratio, of samples)",
+              ylabel="right (%): kept answer, or held-out sampled", title="gold along KL: sampling against training")
     third.legend(fontsize=7, loc="lower left")
-    for ax in (left, right, third):
+    for ax in (left, right, proxy, third):
         ax.grid(alpha=0.3)
     fig.suptitle(f"{num_samples} samples at temperature 1 of each of {num_eval_examples} held-out problems; mean of "
                  f"{len(sft)} seeds (line) and their range (band). Right: PPO and online DPO trained on each seed's "
@@ -162,7 +162,7 @@ def table(results: dict) -> str:
         cell([run["best_of_n"][k]["gold"] for run in sft]) for k in ks) + " |")
     lines.append("| its reward-model score | " + " | ".join(
         f"{statistics.fmean(run['best_of_n'][k]['proxy'] for run in sft):.2f}" for k in ks) + " |")
-    lines.append("| KL(best-of-N \\|\\| SFT), nats | " + " | ".join(
+    lines.append("| KL(best-of-N \\|\\| SFT) at most, nats (log N - (N-1)/N) | " + " | ".join(
         f"{sft[0]['best_of_n'][k]['kl']:.2f}" for k in ks) + " |")
     return "\n".join(lines)
 

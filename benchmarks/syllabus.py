@@ -11,9 +11,11 @@ together, not the RL run alone.
     python benchmarks/syllabus.py --report                           # tables and figures from docs/syllabus.json
 
 The syllabus rows run each script at its defaults. A control row changes one thing against the row
-CONTROLS names, so the difference between the two is that one thing's effect (on these seeds):
+CONTROLS names, so the difference between the two is that one thing's effect (on these seeds), but
+for rule_ppo, which changes two:
 
-    rule_ppo             rm_ppo with the checker's reward instead of the reward model's score
+    rule_ppo             rm_ppo with the checker's reward instead of the reward model's score, and so
+                         with a fresh critic head on the SFT model instead of the reward model as critic
     dpo_offline_5e-5     dpo_offline at online DPO's learning rate (5e-5) instead of 5e-6
     dpo_own_pairs        dpo_offline_5e-5 on the start's own samples ranked once by the checker
                          (own_pairs), instead of the shipped pairs; against dpo_online_rule it is
@@ -79,7 +81,8 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
     "dpo_iterative_10": ("dpo.py", ["--online", "true", "--judge", "rule", "--steps_per_generation", "10"], "sft"),
 }
 CONTROLS = {  # control: (the row it changes one thing of, that one thing)
-    "rule_ppo": ("rm_ppo", "the reward: the checker instead of the reward model"),
+    "rule_ppo": ("rm_ppo", "two things: the reward (the checker instead of the reward model) and the critic's start "
+                           "(a fresh head instead of the reward model)"),
     "dpo_offline_5e-5": ("dpo_offline", "the learning rate: 5e-5 instead of 5e-6"),
     "dpo_own_pairs": ("dpo_offline_5e-5", "the pairs: the start's own samples, ranked by the checker"),
     "rm_ppo_4_updates": ("rm_ppo", "4 updates per batch (2 epochs of 2 mini-batches) instead of 1"),
@@ -91,7 +94,7 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
 }
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
-                            "tab:red", "tab:pink", "tab:cyan", "darkviolet", "tab:purple", "tab:brown", "darkgreen",
+                            "tab:red", "tab:pink", "tab:cyan", "darkviolet", "tab:purple", "tab:brown", "chocolate",
                             "navy", "tab:gray", "gold", "black", "magenta", "teal"]))  # a colour a method, every panel
 
 
@@ -310,18 +313,44 @@ def band(ax, method: str, runs: list[dict]):
     ax.fill_between(steps, [min(c) for c in curves], [max(c) for c in curves], alpha=0.15, color=COLORS[method])
 
 
+MARKERS = ["o", "s", "^", "D", "v"]  # one a seed, in every paired figure
+
+
+def paired_panel(ax, pairs: list[tuple[str, str, str]], results: dict, noise: float):
+    """Per-seed paired differences (points of final held-out sampled accuracy, b - a on each seed's shared
+    start): one marker shape a seed, the mean as a bar, and the band of +-2 noise / sqrt(n) around 0 within
+    which a mean of n seeds cannot be told from no difference (the ledger's rule, docs/lessons.md).
+    pairs: (label, a, b), coloured by b."""
+    for i, (label, a, b) in enumerate(pairs):
+        finals = {m: {run["seed"]: run["evals"][-1]["sampled"] for run in results[m]} for m in (a, b)}
+        seeds = sorted(set(finals[a]) & set(finals[b]))
+        diffs = [finals[b][sd] - finals[a][sd] for sd in seeds]
+        for sd, d in zip(seeds, diffs):
+            ax.scatter(i, d, marker=MARKERS[sd % len(MARKERS)], color=COLORS[b], s=30, zorder=3,
+                       label=f"seed {sd}" if i == 0 else None)
+        ax.plot([i - 0.3, i + 0.3], [statistics.fmean(diffs)] * 2, color=COLORS[b], lw=2.5)
+        width = 2 * noise / math.sqrt(len(seeds))
+        ax.fill_between([i - 0.4, i + 0.4], -width, width, color="grey", alpha=0.2, lw=0)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(pairs)), [label for label, _, _ in pairs], rotation=30, ha="right", fontsize=8)
+
+
 def figures(results: dict, seeds: list[int], folder: str):
-    """docs/syllabus.png (the syllabus rows and offline DPO's log-probs) and docs/controls.png (each control
-    beside the row it changes)."""
-    fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4))
-    for method, runs in results.items():
-        if method not in CONTROLS and method != "dpo_online_rm":
-            band(kept, method, runs)
+    """docs/syllabus.png (each method against GRPO seed by seed, the reward model's two uses, offline DPO's
+    log-probs) and docs/controls.png (each control against the row it changes, seed by seed)."""
+    import lessons  # the noise floor: one model evaluated twice (benchmarks/lessons.py)
+
+    noise = lessons.rms(lessons.FLOORS["tiny"])
+    fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4),
+                                                    gridspec_kw={"width_ratios": [1.4, 1, 1, 1]})
+    others = [m for m in results if m not in CONTROLS and m not in ("grpo", "dpo_online_rm")]
+    paired_panel(kept, [(m, "grpo", m) for m in others], results, noise)
     for method in ("rm_ppo", "dpo_online_rm"):
         if method in results:
             band(judge, method, results[method])
     gain = "gain: held-out sampled accuracy - at step 0, points"
-    kept.set(title="the methods (each script's defaults)", xlabel="step", ylabel=gain)
+    kept.set(title="each method minus GRPO, seed by seed (each script's defaults)",
+             ylabel=f"final sampled accuracy - GRPO's, points\n(grey: +-2 x {noise:.2f} / sqrt(seeds), the noise)")
     judge.set(title="one reward model per seed, two ways to use it", xlabel="step", ylabel=gain)
     dpo = [m for m in ("dpo_offline", "dpo_offline_5e-5", "dpo_own_pairs") if m in results]
     for method in dpo:
@@ -333,38 +362,32 @@ def figures(results: dict, seeds: list[int], folder: str):
     moved.axhline(0, color="grey", lw=0.8)
     moved.set(title="offline DPO: how far each answer moved (a change)", xlabel="step",
               ylabel="log pi - log pi_ref, nats (0 = the start; mean over seeds)")
-    for i, method in enumerate(dpo):
+    shown = [m for m in dpo if m != "dpo_offline_5e-5"]  # its step-1 batch is dpo_offline's: the same bars
+    for i, method in enumerate(shown):
         for j, key in enumerate(("chosen", "rejected")):
             value = statistics.fmean(run["first"][f"logps/{key}"] for run in results[method])
             level.bar(3 * i + j, value, color=COLORS[method], hatch="" if key == "chosen" else "//",
                       label=f"{method}: {key}")
-    level.set_xticks([3 * i + 0.5 for i in range(len(dpo))], dpo, fontsize=8)
-    level.set(title="offline DPO's pairs at step 1 (a level)",
+    level.set_xticks([3 * i + 0.5 for i in range(len(shown))], shown, fontsize=8)
+    level.set(title="offline DPO's pairs at step 1 (a level; dpo_offline_5e-5's are dpo_offline's)",
               ylabel="summed log pi of the answers, nats (step 1, mean)")
     for ax in (kept, judge, moved, level):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Each method from the same start per seed (sft.py, reward_model.py --seed s), {STEPS} steps, "
-                 f"seeds {', '.join(map(str, seeds))}: mean over seeds at the evaluated steps (points) and their "
-                 "range (band); 500 held-out problems, 4 samples each. Learning rate and KL weight: docs/dpo.md's "
-                 "table", fontsize=10)
+    fig.suptitle(f"Each method from the same start per seed (sft.py, reward_model.py --seed s), {STEPS} steps, seeds "
+                 f"{', '.join(map(str, seeds))}, 500 held-out problems x 4 samples; panel 2: mean over seeds and "
+                 "range (band). Each method's learning rate and KL weight differ: docs/dpo.md's table", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, folder, "syllabus.png"), dpi=100)
 
-    pairs = [(c, row) for c, (row, _) in CONTROLS.items() if c in results and row in results]
+    pairs = [(f"{c}\nminus {row}", row, c) for c, (row, _) in CONTROLS.items() if c in results and row in results
+             and c != "grpo_perfect_teacher"]  # its starts differ: its gain, not its final score, is compared
     fig, ax = plt.subplots(figsize=(max(11, 1.5 * len(pairs)), 5.5))
-    for i, (control, row) in enumerate(pairs):
-        shared = [run["seed"] for run in results[control]]  # the row on the control's seeds only, as in the table
-        for j, method in enumerate((row, control)):
-            values = gains([run for run in results[method] if run["seed"] in shared])
-            ax.scatter([2.6 * i + j] * len(values), values, color=COLORS[method], s=25)
-            ax.plot([2.6 * i + j - 0.3, 2.6 * i + j + 0.3], [statistics.fmean(values)] * 2, color=COLORS[method], lw=2)
-    ax.set_xticks([2.6 * i + j for i in range(len(pairs)) for j in (0, 1)],
-                  [m for pair in pairs for m in (pair[1], pair[0])], rotation=30, ha="right", fontsize=8)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set(ylabel="gain (points): held-out sampled accuracy\nat the end minus at step 0",
-           title=f"Each control (right of a pair) beside the row it changes one thing of (left), {STEPS} steps\n"
-                 f"dots are seeds ({', '.join(map(str, seeds))}), bars their mean")
+    paired_panel(ax, pairs, results, noise)
+    ax.set(ylabel=f"final sampled accuracy: control - row, points\n(grey: +-2 x {noise:.2f} / sqrt(seeds), the noise)",
+           title=f"Each control minus the row it changes (one thing; rule_ppo two: the reward and the critic's start), "
+                 f"{STEPS} steps,\nseed by seed (marker shape), the bar their mean; verdicts: docs/lessons.md")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, folder, "controls.png"), dpi=100)

@@ -2,7 +2,9 @@
 
 The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.main`) with short
 configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
-and reused after that. Same config and seed, same checkpoint: the notebooks' outputs reproduce.
+and reused after that. The same config, seed and machine give the same checkpoint; on another
+machine the float order differs and SFT amplifies it, so each notebook's committed outputs are only
+comparable with those made from the same checkpoint (notebook 08's were made from one of their own).
 """
 import dataclasses
 import json

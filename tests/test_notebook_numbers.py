@@ -216,6 +216,8 @@ QUOTES = [
           (r"pass@k: \{'1': ([\d.]+)", r"'16': ([\d.]+)\}")),
     Quote("08_best_of_n", "What to look for", r"ranks ([\d.]+)% of the policy's own pairs right", 1,
           r"step 100: .*policy pairwise accuracy ([\d.]+)%"),
+    Quote("08_best_of_n", "Best-of-N and pass@k", r"\(SFT ([\d.]+)% / ([\d.]+)% here", 1,
+          r"saved to out/notebooks/sft; held-out accuracy greedy ([\d.]+)%, accuracy sampled ([\d.]+)%"),
 ]
 
 # Figures the notebooks quote from the README or docs/classic_rlhf.md (the runs they were measured in).
@@ -224,8 +226,8 @@ SEED_2_ROW = r"\| pairs from {} \| [\d.]+ / ([\d.]+) \| [\d.]+ \| ([+-][\d.]+) \
 PAGE_QUOTES = [
     Quote("01_sft", "A short run of `sft.main`", r"the README's full run is (\d+)\)", "README.md",
           r"`python sft.py` \((\d+) steps"),
-    Quote("02_reward_model", "This short reward model", r"reaches ([\d.]+)% on the policy's", CLASSIC,
-          r"\| 0 \| [\d.]+ / [\d.]+ \| [\d.]+ / ([\d.]+) \|"),
+    Quote("02_reward_model", "This short reward model", r"ranks ([\d.]+)% of the policy's pairs right", CLASSIC,
+          r"([\d.]+)% on pairs of the SFT policy's own samples"),
     Quote("02_reward_model", "Here the prediction fails",
           r"\(([\d.]+)% to ([\d.]+)%\), and PPO's gain with it \(from (\S+) to (\S+) points at the same 80 PPO steps; "
           r"(\S+) with 120\)", CLASSIC,
@@ -357,3 +359,24 @@ def test_a_changed_slip_fails():
         nb["cells"][index]["source"] = [text.replace(old, new)]
         with pytest.raises(AssertionError):
             check_slips(nb)
+
+
+def test_08_quotes_notebook_01s_checkpoint_as_notebook_01_prints_it():
+    """Notebook 08 says its SFT checkpoint is not notebook 01's, quoting 01's printed accuracies."""
+    line = re.search(r"saved to out/notebooks/sft; held-out accuracy greedy ([\d.]+)%, accuracy sampled ([\d.]+)%",
+                     printed_text(load("01_sft")["cells"][15]))
+    _, text = markdown_cell(load("08_best_of_n"), "Best-of-N and pass@k")
+    assert line and f"{line.group(1)}% / {line.group(2)}% in notebook 1" in " ".join(text.split())
+
+
+def test_the_exercise_sheet_is_the_notebooks_experiments():
+    """docs/exercises.md is what docs/exercises.py writes from the notebooks' "What if you change it?" cells."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("exercises", os.path.join(ROOT, "docs", "exercises.py"))
+    exercises = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(exercises)
+    with open(exercises.OUT, encoding="utf-8") as f:
+        assert f.read() == exercises.page(), "docs/exercises.md is out of date: run python docs/exercises.py"
+    assert sum(len(exercises.experiments(os.path.join(ROOT, "notebooks", f"{name}.ipynb")))
+               for name in ("01_sft", "04_grpo")) == 5  # two in 01, three in 04

@@ -74,6 +74,15 @@ def test_the_careless_teachers_share_of_wrong_answers():
     assert float(quoted.group(3)) == round(100 * wrong / total, 1)
     right = re.search(r"against the ([\d.]+)% of its demonstrations that are right", read("docs", "metrics.md"))
     assert right and float(right.group(1)) == round(100 * (total - wrong) / total, 1)
+    # the first page: SFT's samples against the teacher, its greedy answer, GRPO's samples (the chain's table)
+    readme = " ".join(read("README.md").split())
+    sft, grpo = table_row(read("README.md"), "`python sft.py`"), table_row(read("README.md"), "`python grpo.py`")
+    assert (f"({sft[3]} against the teacher's {100 * (total - wrong) / total:.1f}%), while its greedy answer, the "
+            f"teacher's most frequent one, is right {sft[2]} of the time") in readme
+    assert f"({grpo[3]} after GRPO)" in readme
+    step0 = float(re.search(r"\(([\d.]+)% at its step-0 evaluation", readme).group(1))
+    gap = number(sft[3]) - step0
+    assert f"{step0}% against the {sft[3]} of SFT's own final evaluation, a {gap:.1f}-point" in readme
 
 
 def test_dpo_page_counts_the_shipped_pairs_whose_rejected_answer_is_the_teachers_slip():
@@ -179,7 +188,7 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
     page = " ".join(read("docs", "real_models.md").split())
     new, old = ([evals(f"{prefix}seed{seed}") for seed in range(3)] for prefix in ("", "sft30-"))
     gains = [run[-1][0] - run[0][0] for run in new]
-    assert (f"After 20 SFT steps, GRPO adds {gains[0]:.1f}, {gains[1]:.1f} and {gains[2]:.1f} points of held-out "
+    assert (f"after 20 SFT steps, GRPO adds {gains[0]:.1f}, {gains[1]:.1f} and {gains[2]:.1f} points of held-out "
             f"sampled accuracy over its own step-0 evaluation of the SFT model on seeds 0, 1 and 2 (mean "
             f"{sum(gains) / 3:.1f})") in page
     assert (f"GRPO gained {', '.join(f'{run[-1][0] - run[0][0]:.1f}' for run in old[:2])} and "
@@ -199,6 +208,9 @@ def test_real_models_three_seeds_paragraph_is_the_committed_runs():
             f"GRPO on seeds 0, 1 and 2, `sft120-seed0` to `-seed2`), most of it SFT's work (GRPO added "
             f"{best[0][-1][0] - best[0][0][0]:+.1f}, {best[1][-1][0] - best[1][0][0]:+.1f} and "
             f"{best[2][-1][0] - best[2][0][0]:+.1f})") in page
+    assert (f"after GRPO they sample {span([run[-1][0] for run in best])} right, against "
+            f"{span([run[-1][0] for run in new])} after a 20-step SFT, on each of three seeds") in page
+    assert all(b[-1][0] > n[-1][0] for b, n in zip(best, new))  # "on each of three seeds"
 
 
 def test_by_kind_table_and_its_figures_are_the_committed_run():
@@ -297,8 +309,15 @@ def test_the_pages_quote_the_committed_syllabus_runs():
 
     ties = [f"{100 * m['online/ties']:.0f}%" for m in per_seed("dpo_online_rule", "means")]
     assert (f"PPO gained {gain('rm_ppo')} points with the reward model and {gain('rule_ppo')} with the checker's own "
-            f"reward in its place (`--reward_model rule`), GRPO {gain('grpo')}") in readme
-    assert f"gain about the same**: {gain('grpo')}, {gain('mix')} and {gain('dpo_online_rule')} points" in page
+            f"reward in its place (`--reward_model rule`, which also gives the critic a fresh head), GRPO "
+            f"{gain('grpo')}") in readme
+    assert (f"ended above GRPO on every seed**: gains of {gain('grpo')}, {gain('mix')} and "
+            f"{gain('dpo_online_rule')} points") in page
+    finals = {m: [run["evals"][-1]["sampled"] for run in results[m]] for m in ("grpo", "mix", "dpo_online_rule")}
+    mix_lead = {round(m - g, 2) for m, g in zip(finals["mix"], finals["grpo"])}
+    dpo_lead = [d - g for d, g in zip(finals["dpo_online_rule"], finals["grpo"])]
+    assert mix_lead == {1.25} and f"MIX ended {mix_lead.pop():.2f} points above GRPO on each seed" in page
+    assert f"online DPO {min(dpo_lead):.2f} to {max(dpo_lead):.2f} above" in page
     assert f"{ties[0]}, {ties[1]} and {ties[2]} of its pairs were ties" in page
     starts = [run["evals"][0] for run in results["grpo"]]
     assert (f"sample {starts[0]['sampled']:.1f}%, {starts[1]['sampled']:.1f}% and {starts[2]['sampled']:.1f}% right "
@@ -400,8 +419,11 @@ def test_grpo_page_quotes_the_committed_entropy_runs():
     syllabus = json.loads(read("docs", "syllabus.json"))["results"]["grpo_4_iterations"]
     assert [run["evals"] for run in results["base"]] == [[{"step": e["step"], "sampled": e["sampled"]}
                                                           for e in run["evals"]] for run in syllabus]
-    assert (f"the same entropy ({mean('clip_higher', 'last'):.3f}), a gain within the seeds' range "
-            f"({gain(results['clip_higher']):.1f} against {gain(results['base']):.1f})") in page
+    lower = [b["evals"][-1]["sampled"] - c["evals"][-1]["sampled"] for b, c in zip(results["base"],
+                                                                                     results["clip_higher"])]
+    assert (f"the same entropy ({mean('clip_higher', 'last'):.3f}), a gain of {gain(results['clip_higher']):.1f} "
+            f"against {gain(results['base']):.1f}, and per seed a final accuracy {lower[0]:.2f}, {lower[1]:.2f} and "
+            f"{lower[2]:.2f} points lower") in page and min(lower) > 0
     clip = statistics.fmean(100 * run["clip_fraction"] for run in results["clip_higher"])
     assert f"the clip acts on {clip:.2f}% of tokens" in page
     hot = [statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in results["temperature_1.2"]]

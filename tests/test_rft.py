@@ -1,4 +1,5 @@
-"""rft.py: which answers are kept, that its step is REINFORCE with a 0/1 reward, and that a short run learns."""
+"""rft.py: which answers are kept, that its step points where REINFORCE with a 0/1 reward does (its size
+scaled by what is kept), and that a short run learns."""
 import json
 import os
 
@@ -19,9 +20,10 @@ def test_keep_mask_all_or_the_first_accepted_of_each_prompt():
                                                              False]
 
 
-def test_the_sft_step_on_kept_answers_is_reinforce_with_a_0_1_reward():
-    """The gradient of the NLL of the kept answers equals that of the REINFORCE loss
-    -sum_i r_i sum_t log pi(y_it) / (kept tokens) over every sample, r_i = 1 if kept else 0."""
+def test_the_sft_step_on_kept_answers_points_where_reinforce_does_with_a_0_1_reward():
+    """REINFORCE with a 0/1 reward, -(1/N) sum_i r_i sum_t log pi(y_it) over the N samples, and the NLL of the
+    kept answers, -(1/K) sum_kept sum_t log pi(y_it) over their K tokens, have gradients in the same
+    direction; the NLL's is N / K times REINFORCE's, so an RFT step's size follows how much is kept."""
     torch.manual_seed(0)
     tokenizer = common.build_tokenizer()
     model = common.build_tiny_model(tokenizer)
@@ -30,14 +32,18 @@ def test_the_sft_step_on_kept_answers_is_reinforce_with_a_0_1_reward():
     input_ids, attention_mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     reward = torch.tensor([1.0, 0.0, 0.0, 1.0])
     kept = reward.bool()
+    N, K = len(reward), completion_mask[kept].sum().item()
     gradients = []
     for loss_of in (lambda lp: sft.sft_loss(lp[kept], completion_mask[kept]),
-                    lambda lp: -(reward[:, None] * lp * completion_mask).sum() / completion_mask[kept].sum()):
+                    lambda lp: -(reward[:, None] * lp * completion_mask).sum() / N):
         model.zero_grad()
         loss_of(rollout.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])).backward()
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    scale = gradients[0].abs().max().item()
-    assert scale > 0 and torch.allclose(gradients[0], gradients[1], rtol=0, atol=1e-5 * scale)
+    nll, reinforce = gradients
+    scale = nll.abs().max().item()
+    assert scale > 0 and K != N  # a scale that could be told from 1
+    assert torch.allclose(nll, reinforce * N / K, rtol=0, atol=1e-5 * scale)
+    assert not torch.allclose(nll, reinforce, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.slow
@@ -73,7 +79,7 @@ def test_the_pages_quote_the_committed_side_by_side():
             f"({min(grpo):.1f} to {max(grpo):.1f})") in pages["best_of_n.md"]
     per_seed = [f"{a - b:+.1f}" for a, b in zip(rft, grpo)]
     assert (f"{statistics.fmean(rft):.1f} points ({min(rft):.1f} to {max(rft):.1f}) against GRPO's "
-            f"{statistics.fmean(grpo):.1f}, more on each seed ({per_seed[0]}, {per_seed[1]} and {per_seed[2]})"
+            f"{statistics.fmean(grpo):.1f}, more on each seed ({per_seed[0]}, {per_seed[1]} and {per_seed[2]};"
             ) in pages["dpo.md"]
     minutes = [statistics.fmean(run["cost"]["cpu_minutes"] for run in results[m]) for m in ("rft", "grpo")]
     assert f"({minutes[0]:.1f} minutes against {minutes[1]:.1f})" in pages["dpo.md"]

@@ -1,0 +1,384 @@
+"""The lessons' ledger: every comparative or causal lesson the course teaches, read by one rule from the
+per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, smollm2_runs/).
+
+    python benchmarks/lessons.py            # write docs/lessons.md
+    python benchmarks/lessons.py --check    # exit 1 if docs/lessons.md differs (tests/test_lessons.py)
+
+A lesson compares two arms that share each seed's start (the SFT model, the reward model, the seed of
+the RL run), so each seed gives one paired difference d_s = arm B - arm A of a final held-out score, and
+the seed-to-seed spread of the starts cancels. The rule (stated once, in docs/lessons.md):
+
+  noise floor  s0: the root mean square of the difference between two evaluations of one model (the
+               same weights, other random draws), from the runs' own evaluations; per evaluation size
+  standard error of the mean difference: SE = max(sd(d), s0) / sqrt(n), n seeds
+  a difference is   shown      every seed agrees in sign and |mean| > 2 SE
+                    a lead     every seed agrees in sign, |mean| <= 2 SE
+                    not shown  the seeds disagree in sign
+                    one run    a single seed
+  no difference is  shown      |mean| <= 2 SE (within what this many seeds can resolve)
+                    not shown  |mean| > 2 SE (there is one)
+
+Rows that compare nothing (a derivation, a quantity measured without a control, a cause no run
+isolated) say so instead of a verdict. Each row names what its two arms differ in; a row whose arms
+differ in more than one thing says which, and its verdict is about the arms, not the one cause.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "docs", "lessons.md")
+
+
+def read(name: str):
+    with open(os.path.join(ROOT, "docs", name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+SYLLABUS, ENTROPY, BEST_OF_N = read("syllabus.json"), read("entropy.json"), read("best_of_n.json")
+SEEDS = SYLLABUS["seeds"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the committed runs
+# ---------------------------------------------------------------------------------------------
+def evals(method: str, source: dict | None = None) -> dict:
+    """{seed: {step: held-out sampled accuracy in points}} of a row of syllabus.json (or entropy.json)."""
+    rows = (source or SYLLABUS["results"])[method]
+    return {run["seed"]: {e["step"]: e["sampled"] for e in run["evals"]} for run in rows}
+
+
+def final(method: str, source: dict | None = None) -> dict:
+    return {seed: steps[max(steps)] for seed, steps in evals(method, source).items()}
+
+
+def gain(method: str) -> dict:
+    return {seed: steps[max(steps)] - steps[0] for seed, steps in evals(method).items()}
+
+
+def smollm2(run: str, part: str) -> list[dict]:
+    """The evaluation lines (eval/accuracy_*) of docs/smollm2_runs/<run>/<part>/metrics.jsonl."""
+    with open(os.path.join(ROOT, "docs", "smollm2_runs", run, part, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [row for row in rows if "eval/accuracy_sampled" in row]
+
+
+def smollm2_final(run: str) -> float:
+    return 100 * smollm2(run, "grpo")[-1]["eval/accuracy_sampled"]
+
+
+def pass_at(run: str, part: str, k: str) -> float:
+    with open(os.path.join(ROOT, "docs", "smollm2_runs", run, part, "pass_at_k.json"), encoding="utf-8") as f:
+        return 100 * json.load(f)["pass@k"][k]
+
+
+def differences(b: dict, a: dict) -> list[float]:
+    """The paired differences b - a over the seeds both hold, in seed order."""
+    return [round(b[s] - a[s], 4) for s in sorted(set(a) & set(b))]
+
+
+# ---------------------------------------------------------------------------------------------
+# The noise floor: one model evaluated twice
+# ---------------------------------------------------------------------------------------------
+def tiny_twice() -> list[float]:
+    """Differences of two evaluations of one tiny model on the 500 held-out problems x 4 samples: SFT's own
+    final evaluation against the RL run's step 0 (the same weights, drawn again), and rule_ppo's step 0
+    (its fresh critic head draws random numbers first) against grpo's; per seed."""
+    twice = []
+    grpo0 = {seed: steps[0] for seed, steps in evals("grpo").items()}
+    for seed in SEEDS:
+        start = SYLLABUS["starts"][str(seed)]
+        twice.append(100 * start["sft"]["accuracy_sampled"] - grpo0[seed])
+        twice.append(evals("rule_ppo")[seed][0] - grpo0[seed])
+        twice.append(100 * start["sft_perfect"]["accuracy_sampled"] - evals("grpo_perfect_teacher")[seed][0])
+    return [round(d, 4) for d in twice]
+
+
+SMOLLM2_STARTS = ["seed0", "seed1", "seed2", "sft30-seed0", "sft30-seed1", "sft30-seed2", "sft120-seed0",
+                  "sft120-seed1", "sft120-seed2"]
+
+
+def smollm2_twice() -> list[float]:
+    """The same for SmolLM2 on its 64 problems x 4 samples: the SFT run's last evaluation against the GRPO
+    run's step 0, where the greedy score shows the same weights and the samples were drawn anew (a pair
+    drawn with the same random state is one evaluation, not two, and is left out)."""
+    twice = []
+    for run in SMOLLM2_STARTS:
+        sft, grpo = smollm2(run, "sft")[-1], smollm2(run, "grpo")[0]
+        same_weights = sft["eval/accuracy_greedy"] == grpo["eval/accuracy_greedy"]
+        if same_weights and sft["eval/accuracy_sampled"] != grpo["eval/accuracy_sampled"]:
+            twice.append(round(100 * (sft["eval/accuracy_sampled"] - grpo["eval/accuracy_sampled"]), 4))
+    return twice
+
+
+def rms(values: list[float]) -> float:
+    return math.sqrt(sum(v * v for v in values) / len(values))
+
+
+FLOORS = {"tiny": tiny_twice(), "smollm2": smollm2_twice()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The rule
+# ---------------------------------------------------------------------------------------------
+def verdict(diffs: list[float], claim: str, floor: str) -> tuple[str, float, float]:
+    """(verdict, mean, SE) of paired differences under the rule of the module docstring. claim: 'up' or
+    'down' (a difference of that sign), or 'same' (no difference)."""
+    n, mean = len(diffs), statistics.fmean(diffs) + 0.0  # + 0.0: no "-0.00"
+    se = max(statistics.stdev(diffs) if n > 1 else 0.0, rms(FLOORS[floor])) / math.sqrt(n)
+    if n == 1:
+        return "one run", mean, se
+    if claim == "same":
+        return ("shown" if abs(mean) <= 2 * se else "not shown"), mean, se
+    sign = 1 if claim == "up" else -1
+    if all(d * sign > 0 for d in diffs):
+        return ("shown" if abs(mean) > 2 * se else "a lead"), mean, se
+    return "not shown", mean, se
+
+
+# ---------------------------------------------------------------------------------------------
+# The lessons
+# ---------------------------------------------------------------------------------------------
+def paired(b: dict, a: dict, claim: str, floor: str = "tiny") -> dict:
+    diffs = differences(b, a)
+    name, mean, se = verdict(diffs, claim, floor)
+    return {"diffs": diffs, "mean": mean, "se": se, "verdict": name, "claim": claim, "floor": floor}
+
+
+def best_of_n_gold(part: str, N: str) -> dict:
+    return {run["seed"]: 100 * run["best_of_n"][N]["gold"] for run in BEST_OF_N[part]}
+
+
+def entropy_change() -> dict:
+    """{seed: mean entropy of steps 31-40 - entropy at step 1} of entropy.json's base arm (nats per token)."""
+    return {run["seed"]: statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in ENTROPY["base"]}
+
+
+def lessons() -> list[dict]:
+    """Every comparative or causal lesson the pages teach: its sentence, where it is taught, the two arms
+    and what differs, and the evidence (paired, or why there is no verdict)."""
+    s = SYLLABUS["results"]
+    rows = [
+        dict(id="L1", lesson="Four updates per batch raise GRPO's held-out accuracy at 40 steps",
+             where="docs/dpo.md (the controls)", arms="grpo -> grpo_4_iterations",
+             differs="num_iterations 4 instead of 1", unit="points, final sampled accuracy",
+             **paired(final("grpo_4_iterations"), final("grpo"), "up")),
+        dict(id="L2", lesson="Four updates per batch raise PPO's held-out accuracy at 40 steps",
+             where="docs/dpo.md (the controls)", arms="rm_ppo -> rm_ppo_4_updates",
+             differs="2 PPO epochs of 2 mini-batches instead of 1 of 1", unit="points, final sampled accuracy",
+             **paired(final("rm_ppo_4_updates"), final("rm_ppo"), "up")),
+        dict(id="L3", lesson="With 4 updates per batch, lr 3e-4 ends below lr 5e-5",
+             where="docs/dpo.md (the controls)", arms="grpo_4_iterations -> grpo_4_iterations_3e-4",
+             differs="learning rate 3e-4 instead of 5e-5", unit="points, final sampled accuracy",
+             **paired(final("grpo_4_iterations_3e-4"), final("grpo_4_iterations"), "down")),
+        dict(id="L4", lesson="Where the clip acts (lr 3e-4, 4 updates), removing it ends lower",
+             where="docs/dpo.md (the controls)", arms="grpo_4_iterations_3e-4 -> grpo_4_iterations_3e-4_no_clip",
+             differs="no clip (epsilon 1e6) instead of 0.2", unit="points, final sampled accuracy",
+             **paired(final("grpo_4_iterations_3e-4_no_clip"), final("grpo_4_iterations_3e-4"), "down")),
+        dict(id="L5", lesson="Offline DPO on the shipped pairs at lr 5e-5 ends below lr 5e-6",
+             where="docs/dpo.md (the controls)", arms="dpo_offline -> dpo_offline_5e-5",
+             differs="learning rate 5e-5 instead of 5e-6", unit="points, final sampled accuracy",
+             **paired(final("dpo_offline_5e-5"), final("dpo_offline"), "down")),
+        dict(id="L6", lesson="At lr 5e-5, offline DPO on the start's own pairs ends above DPO on the shipped pairs",
+             where="docs/dpo.md (the controls)", arms="dpo_offline_5e-5 -> dpo_own_pairs",
+             differs="the pairs: the start's own samples ranked by the checker (also 1.1k pairs instead of 3k)",
+             unit="points, final sampled accuracy",
+             **paired(final("dpo_own_pairs"), final("dpo_offline_5e-5"), "up")),
+        dict(id="L7", lesson="PPO with the checker's reward ends where PPO with the reward model does (40 steps)",
+             where="README.md (what each stage gains); docs/dpo.md (the controls); docs/experiments.md",
+             arms="rm_ppo -> rule_ppo",
+             differs="two things: the reward (the checker's +-1) and the critic's start (a fresh head on the "
+                     "SFT model instead of the reward model)", unit="points, final sampled accuracy",
+             **paired(final("rule_ppo"), final("rm_ppo"), "same")),
+        dict(id="L8", lesson="Online KTO ends above online DPO (both judged by the checker)",
+             where="docs/dpo.md (KTO)", arms="dpo_online_rule -> kto_online",
+             differs="the loss (KTO's, which learns from ties too)", unit="points, final sampled accuracy",
+             **paired(final("kto_online"), final("dpo_online_rule"), "up")),
+        dict(id="L9", lesson="Pairs sampled once for 10 steps teach as much as pairs sampled at every step",
+             where="docs/dpo.md (iterative DPO)", arms="dpo_online_rule -> dpo_iterative_10",
+             differs="steps_per_generation 10 instead of 1", unit="points, final sampled accuracy",
+             **paired(final("dpo_iterative_10"), final("dpo_online_rule"), "same")),
+        dict(id="L10", lesson="GRPO's gain is mostly the teacher's slip unlearned: from a perfect teacher's SFT "
+                              "it gains less", where="README.md; docs/dpo.md; docs/experiments.md",
+             arms="grpo -> grpo_perfect_teacher", differs="the SFT data: a perfect teacher's demonstrations "
+             "(the start is also higher: less to gain)", unit="points of gain (step 40 - step 0)",
+             **paired(gain("grpo_perfect_teacher"), gain("grpo"), "down")),
+        dict(id="L11", lesson="MIX ends above GRPO at 40 steps",
+             where="docs/dpo.md (the side by side); docs/mix.md", arms="grpo -> mix",
+             differs="MIX's expert rows and their loss; also 12 prompts a step instead of 16",
+             unit="points, final sampled accuracy", **paired(final("mix"), final("grpo"), "up")),
+        dict(id="L12", lesson="Online DPO with the checker ends above GRPO at 40 steps",
+             where="docs/dpo.md (the side by side)", arms="grpo -> dpo_online_rule",
+             differs="the whole method (two samples a prompt and DPO's loss, against groups of 8)",
+             unit="points, final sampled accuracy", **paired(final("dpo_online_rule"), final("grpo"), "up")),
+        dict(id="L13", lesson="RFT ends above GRPO at 40 steps",
+             where="docs/dpo.md; docs/best_of_n.md", arms="grpo -> rft",
+             differs="the whole method (no baseline, no negatives, no KL, another normalisation)",
+             unit="points, final sampled accuracy", **paired(final("rft"), final("grpo"), "up")),
+        dict(id="L14", lesson="PPO (reward model) ends below GRPO at 40 steps",
+             where="README.md (what each stage gains); docs/dpo.md", arms="grpo -> rm_ppo",
+             differs="the whole method (a critic and GAE, one sample a prompt, lr 2e-5, the KL in the reward, "
+                     "a learned reward)", unit="points, final sampled accuracy",
+             **paired(final("rm_ppo"), final("grpo"), "down")),
+        dict(id="L15", lesson="Clip-higher (epsilon_high 0.28) changes nothing measurable here",
+             where="docs/grpo.md (entropy)", arms="base -> clip_higher (entropy.json; base = grpo_4_iterations)",
+             differs="epsilon_high 0.28 instead of 0.2", unit="points, final sampled accuracy",
+             **paired(final("clip_higher", ENTROPY), final("base", ENTROPY), "same")),
+        dict(id="L16", lesson="Sampling at temperature 1.2 changes the final accuracy no more than the noise",
+             where="docs/grpo.md (entropy)", arms="base -> temperature_1.2 (entropy.json)",
+             differs="rollout temperature 1.2 instead of 1.0", unit="points, final sampled accuracy",
+             **paired(final("temperature_1.2", ENTROPY), final("base", ENTROPY), "same")),
+        dict(id="L17", lesson="Best-of-N by the reward model over-optimises: gold at N = 64 is below gold at N = 4",
+             where="docs/best_of_n.md", arms="N = 4 -> N = 64, the SFT model's samples, judged by the reward model",
+             differs="N", unit="points of gold accuracy (200 problems x 64 samples; the 500 x 4 noise floor)",
+             **paired(best_of_n_gold("sft", "64"), best_of_n_gold("sft", "4"), "down")),
+        dict(id="L18", lesson="Online DPO with the reward model as judge falls between step 20 and step 40",
+             where="docs/dpo.md (online DPO with a learned judge)", arms="dpo_online_rm at step 20 -> at step 40",
+             differs="20 more steps of the same run", unit="points, sampled accuracy",
+             **paired({sd: v[40] for sd, v in evals("dpo_online_rm").items()},
+                      {sd: v[20] for sd, v in evals("dpo_online_rm").items()}, "down")),
+        dict(id="L19", lesson="SmolLM2: GRPO after 120 SFT steps ends above GRPO after the script's short SFT",
+             where="docs/real_models.md", arms="SFT 20 steps -> SFT 120 steps, then GRPO 30 steps",
+             differs="SFT steps (the start)", unit="points, final sampled accuracy (64 problems x 4)",
+             **paired({i: smollm2_final(f"sft120-seed{i}") for i in range(3)},
+                      {i: smollm2_final(f"seed{i}") for i in range(3)}, "up", "smollm2")),
+        dict(id="L20", lesson="SmolLM2: GRPO lowers pass@64 (it trades coverage for pass@1)",
+             where="docs/real_models.md (pass@k)", arms="SFT -> GRPO, 64 samples of each of 64 problems",
+             differs="30 GRPO steps", unit="points of pass@64 (64 x 64; SmolLM2's 64 x 4 noise floor)",
+             **paired({i: pass_at(f"pass-at-k-seed{i}", "grpo", "64") for i in range(3)},
+                      {i: pass_at(f"pass-at-k-seed{i}", "sft", "64") for i in range(3)}, "down", "smollm2")),
+        dict(id="L21", lesson="GRPO raises the tiny model's pass@1 over SFT's",
+             where="docs/best_of_n.md", arms="SFT -> GRPO (best_of_n.json, 200 problems x 64 samples)",
+             differs="40 GRPO steps", unit="points of pass@1 (200 x 64; the 500 x 4 noise floor)",
+             **paired({r["seed"]: 100 * r["pass@k"]["1"] for r in BEST_OF_N["grpo"]},
+                      {r["seed"]: 100 * r["pass@k"]["1"] for r in BEST_OF_N["sft"]}, "up")),
+        dict(id="L22", lesson="GRPO changes the tiny model's pass@64 no more than the noise (both at the ceiling)",
+             where="docs/best_of_n.md", arms="SFT -> GRPO (best_of_n.json)", differs="40 GRPO steps",
+             unit="points of pass@64 (200 x 64; the 500 x 4 noise floor)",
+             **paired({r["seed"]: 100 * r["pass@k"]["64"] for r in BEST_OF_N["grpo"]},
+                      {r["seed"]: 100 * r["pass@k"]["64"] for r in BEST_OF_N["sft"]}, "same")),
+    ]
+    no_verdict = [
+        dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",
+             where="README.md (the clip)", kind="mechanism, measured",
+             evidence="clip_fraction of the grpo and rm_ppo rows: "
+                      + ", ".join(f"{run['means'].get('clip_fraction', run['means'].get('clip_fraction/actor')):g}"
+                                  for m in ("grpo", "rm_ppo") for run in s[m]) + " (every seed)"),
+        dict(id="L24", lesson="Four updates help GRPO, and not through the clip",
+             where="docs/dpo.md (the controls)", kind="a cause no run isolated",
+             evidence="the clip acted on " + ", ".join(f"{100 * run['means']['clip_fraction']:.2f}%"
+                                                      for run in s["grpo_4_iterations"])
+                      + " of grpo_4_iterations' tokens; no run removed the clip at lr 5e-5"),
+        dict(id="L25", lesson="No entropy collapse in 40 GRPO steps", where="docs/grpo.md (entropy)",
+             kind="an observation", evidence="entropy of steps 31-40 minus step 1's, base arm: "
+             + ", ".join(f"{v:+.4f}" for v in entropy_change().values()) + " nats per token"),
+        dict(id="L26", lesson="A reward model's accuracy on the policy's own pairs predicts PPO's gain",
+             where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control",
+             evidence="policy-pair accuracy " + ", ".join(
+                 f"{100 * SYLLABUS['starts'][str(sd)]['rm']['policy_pairwise_accuracy']:.1f}%" for sd in SEEDS)
+             + " against rm_ppo's gains " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo").values())),
+        dict(id="L27", lesson="Pairs from the policy's own samples stop PPO gaming the reward model",
+             where="docs/classic_rlhf.md; reward_model.py --help", kind="one seed, results not committed",
+             evidence="classic_rlhf.md's seed 2: an RM with pairs from 2,000 prompts gave PPO +8.0 where one "
+                      "with 500 gave +4.6; PPO against a synthetic-only RM at these settings was not run"),
+        dict(id="L28", lesson="Online DPO with the checker is GRPO's signal with groups of 2",
+             where="docs/dpo.md; notebook 07", kind="mathematics",
+             evidence="derived in docs/dpo.md and checked by tests/test_dpo.py"),
+        dict(id="L29", lesson="GRPO, RLOO and REINFORCE++ learn alike here", where="docs/dpo.md",
+             kind="results not committed", evidence="per-seed results of the rloo and reinforce_pp rows are "
+             "not in docs/syllabus.json; no verdict"),
+        dict(id="L30", lesson="MIX helps from a weak start and learns what the policy never samples",
+             where="docs/mix.md; notebook 06", kind="one run each",
+             evidence="one tiny weak-start seed (MIX at 12 prompts a step against GRPO's 16) and one SmolLM2 "
+                      "seed (docs/real_models.md); suggestive only"),
+        dict(id="L31", lesson="SmolLM2's settings (dynamic sampling, groups of 8, the LoRA learning rate)",
+             where="docs/real_models.md (how the settings were chosen)", kind="one run each",
+             evidence="gaps of 0.4 to 2 points on 64 problems, one seed each: below the noise floor of "
+                      f"{rms(FLOORS['smollm2']):.1f} points; they do not rank the settings"),
+    ]
+    return rows + no_verdict
+
+
+# ---------------------------------------------------------------------------------------------
+# The page
+# ---------------------------------------------------------------------------------------------
+CLAIMS = {"up": "B > A", "down": "B < A", "same": "B = A"}
+
+
+def page() -> str:
+    tiny, big = FLOORS["tiny"], FLOORS["smollm2"]
+    out = [
+        "# The lessons' ledger",
+        "",
+        "Every comparative or causal lesson the course teaches, with the runs behind it and a verdict given by",
+        "one rule. Written by `python benchmarks/lessons.py` from the per-seed results in `docs/` (a test",
+        "regenerates it and fails if a number or a verdict moves); the pages state each lesson no more",
+        "strongly than its verdict here.",
+        "",
+        "## The rule",
+        "",
+        "Two arms share each seed's start (the SFT model, the reward model, the RL run's seed), so each seed",
+        "gives a paired difference d = B - A of a final held-out score, and the spread of the starts cancels.",
+        "",
+        "- **Noise floor** s0: one model evaluated twice (the same weights, new random draws) differs by",
+        f"  {', '.join(f'{d:+.2f}' for d in tiny)} points on the tiny model's 500 problems x 4 samples",
+        f"  (root mean square {rms(tiny):.2f}), and by {', '.join(f'{d:+.2f}' for d in big)} points on SmolLM2's",
+        f"  64 x 4 (root mean square {rms(big):.2f}). No difference of two evaluations can be read below it.",
+        "- **Standard error** of the mean difference over n seeds: SE = max(sd(d), s0) / sqrt(n).",
+        "- **A difference** (B > A or B < A) is *shown* when every seed agrees in sign and |mean| > 2 SE; *a",
+        "  lead* when every seed agrees but |mean| <= 2 SE; *not shown* when the seeds disagree; *one run*",
+        "  with a single seed.",
+        "- **No difference** (B = A) is *shown* when |mean| <= 2 SE (no difference this many seeds can",
+        "  resolve), *not shown* when |mean| > 2 SE.",
+        "- A row whose arms differ in more than one thing says so: its verdict is about the two arms, not",
+        "  about one cause.",
+        "",
+        "## Comparisons",
+        "",
+        "| id | lesson | A -> B | differs in | claim | d per seed | mean (SE) | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = lessons()
+    for row in rows:
+        if "diffs" in row:
+            out.append(f"| {row['id']} | {row['lesson']} | {row['arms']} | {row['differs']} | {CLAIMS[row['claim']]} "
+                       f"| {', '.join(f'{d:+.2f}' for d in row['diffs'])} | {row['mean']:+.2f} ({row['se']:.2f}) "
+                       f"| **{row['verdict']}** |")
+    out += ["", "Units: points of the score each row's section below names, with the noise floor it uses (an",
+            "evaluation with no twice-evaluated model of its own uses the floor of its model's usual one).", "",
+            "## Lessons without a paired comparison", "", "| id | lesson | what it rests on | evidence |",
+            "| --- | --- | --- | --- |"]
+    for row in rows:
+        if "diffs" not in row:
+            out.append(f"| {row['id']} | {row['lesson']} | {row['kind']} | {row['evidence']} |")
+    out += ["", "## Where each is taught, and its score", ""]
+    for row in rows:
+        out.append(f"### {row['id']}")
+        out.append("")
+        out.append(f"{row['lesson']}. Taught in {row['where']}."
+                   + (f" Score: {row['unit']}." if "unit" in row else ""))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/lessons.md is out of date")
+    args = parser.parse_args()
+    text = page()
+    if args.check:
+        with open(OUT, encoding="utf-8") as f:
+            if f.read() != text:
+                sys.exit("docs/lessons.md is out of date: run python benchmarks/lessons.py")
+        print("docs/lessons.md is up to date")
+        return
+    with open(OUT, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
