@@ -49,6 +49,10 @@ class Config(harness.RLConfig):
     LOSS_SCALES = ("kl_coef",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
     reward_model: str = "out/rm"
     """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
+    value_model: str = ""
+    """where the critic starts, if not from --reward_model: a reward model folder (its trained scalar head). Unset:
+    the reward model itself, or with --reward_model rule a fresh value head on --model. With rule, a value_model
+    changes only the reward, not the critic's start (TRL's PPOTrainer takes the value model apart too)"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
     num_ppo_epochs: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -394,24 +398,36 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
 # ---------------------------------------------------------------------------------------------
 def load_reward_model_and_critic(cfg, tokenizer, device):
     """The frozen reward model, and the critic it initialises (note 000); with --reward_model rule no
-    reward model (the checker scores) and a critic with a fresh value head on the --model policy.
+    reward model (the checker scores) and a critic with a fresh value head on the --model policy;
+    --value_model starts the critic from another reward model folder instead.
     The critic values each of the policy's tokens, so a reward model must share the policy's tokenizer."""
-    if cfg.reward_model == "rule":
+    reward_model = None
+    if cfg.reward_model != "rule":
+        reward_model = load_scalar_model(cfg, "--reward_model", cfg.reward_model, tokenizer,
+                                         "run `python reward_model.py` first (or pass --reward_model rule)")
+        reward_model.to(device).eval().requires_grad_(False)
+    if cfg.value_model:
+        return reward_model, load_scalar_model(cfg, "--value_model", cfg.value_model, tokenizer,
+                                               "it takes a folder written by reward_model.py")
+    if reward_model is None:
         return None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
-    hint = "run `python reward_model.py` first (or pass --reward_model rule)"
-    reward_model, reward_tokenizer = common.load_model(cfg.reward_model, missing_hint=hint, scalar_head=True,
-                                                       reward_model=True, trust_remote_code=cfg.trust_remote_code)
-    if not common.same_tokenizer(reward_tokenizer, tokenizer):
-        common.fail(f"--reward_model {cfg.reward_model} has a tokenizer of its own, not --model's: ppo.py's critic "
-                    "starts as the reward model and values each of the policy's tokens, so the two must share one "
-                    f"(train the reward model from this policy: python reward_model.py --model {cfg.model})")
-    reward_model.to(device).eval().requires_grad_(False)
     return reward_model, copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
 
 
+def load_scalar_model(cfg, flag: str, folder: str, tokenizer, hint: str):
+    """A reward model folder (reward_model.py's), on the policy's tokenizer: one sentence otherwise."""
+    model, own_tokenizer = common.load_model(folder, missing_hint=hint, scalar_head=True, reward_model=True,
+                                             trust_remote_code=cfg.trust_remote_code)
+    if not common.same_tokenizer(own_tokenizer, tokenizer):
+        common.fail(f"{flag} {folder} has a tokenizer of its own, not --model's: ppo.py's critic starts as a "
+                    "reward model and values each of the policy's tokens, so the two must share one "
+                    f"(train the reward model from this policy: python reward_model.py --model {cfg.model})")
+    return model
+
+
 def main(cfg: Config):
-    run = harness.Run(cfg, inputs={"--model": cfg.model, "--reward_model": cfg.reward_model,
-                                   "--dataset": cfg.dataset})  # settings, output folder, torchrun
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--reward_model": cfg.reward_model, "--dataset": cfg.dataset,
+                                   **({"--value_model": cfg.value_model} if cfg.value_model else {})})
     rows_per_step = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # B prompts, one sample each
 
     # data: GSM8K's schema (question, answer: rule-based accuracy is measured too), or prompts only (the

@@ -60,20 +60,23 @@ def run(arm: str, seed: int, args) -> dict:
 
 
 def figure(results: dict, path: str):
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, hot, right) = plt.subplots(1, 3, figsize=(15, 4))
     for arm, runs in results.items():
         steps = runs[0]["steps"]
         columns = list(zip(*[run["entropy"] for run in runs]))
-        left.plot(steps, [statistics.fmean(c) for c in columns], color=COLORS[arm], label=arm)
-        left.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=COLORS[arm], alpha=0.2,
-                          linewidth=0)
+        ax = hot if arm.startswith("temperature") else left  # measured at its own temperature: another scale
+        ax.plot(steps, [statistics.fmean(c) for c in columns], color=COLORS[arm], label=arm)
+        ax.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=COLORS[arm], alpha=0.2,
+                        linewidth=0)
         evals = list(zip(*[[e["sampled"] - run["evals"][0]["sampled"] for e in run["evals"]] for run in runs]))
         right.plot([e["step"] for e in runs[0]["evals"]], [statistics.fmean(c) for c in evals], color=COLORS[arm],
                    marker="o", label=arm)
-    left.set(xlabel="step", ylabel="entropy (nats per completion token)", title="the policy's entropy")
+    left.set(xlabel="step", ylabel="entropy (nats per completion token)", title="the policy's entropy, at T = 1")
+    hot.set(xlabel="step", ylabel="entropy (nats per completion token)",
+            title="at T = 1.2, the temperature it samples at")
     right.set(xlabel="step", ylabel="gain (points): held-out sampled accuracy\nminus at step 0",
               title="what it learned")
-    for ax in (left, right):
+    for ax in (left, hot, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle("GRPO with 4 updates per batch, from the SFT model of each seed (0, 1, 2): mean (line), range (band)",

@@ -57,12 +57,13 @@ def test_every_row_names_its_arms_and_what_differs():
 
 
 def test_the_pages_quote_the_noise_floor_the_ledger_computes():
-    """dpo.md and real_models.md quote the root mean square of one model evaluated twice."""
+    """dpo.md, mix.md and real_models.md quote the root mean square of one model evaluated twice."""
     def page(*path):
         with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
             return " ".join(f.read().split())
 
     tiny, smollm2 = (lessons.rms(lessons.FLOORS[name]) for name in ("tiny", "smollm2"))
     assert f"two evaluations of one model differ by {tiny:.2f} points, root mean square" in page("docs", "dpo.md")
+    assert f"below the {tiny:.2f} points by which two evaluations of one model differ" in page("docs", "mix.md")
     assert f"two evaluations of one model differ by {smollm2:.1f} points (root mean square" in page(
         "docs", "real_models.md")

@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import common
@@ -107,3 +108,25 @@ def test_reward_model_without_sft_checkpoint_says_what_to_run(tmp_path):
         reward_model.main(common.parse_config(reward_model.Config, ["--model", str(tmp_path / "missing"),
                                                                     "--output_dir", str(tmp_path / "o")]))
     assert "run `python sft.py` first" in str(stop.value.code)
+
+
+def test_value_model_starts_the_critic_and_changes_nothing_else(sft_checkpoint, rm_checkpoint):
+    """--reward_model rule --value_model <rm>: no reward model (the checker scores), and the critic is the
+    reward model's weights, as rm_ppo's critic starts; without --value_model the rule critic is a fresh head
+    on the policy, and with the reward model the critic is a copy of it (the defaults, unchanged)."""
+    tokenizer = common.load_model(sft_checkpoint)[1]
+    rm = common.load_model(rm_checkpoint, scalar_head=True)[0].state_dict()
+    cfg = ppo.Config(model=sft_checkpoint, reward_model="rule", value_model=rm_checkpoint)
+    scorer, critic = ppo.load_reward_model_and_critic(cfg, tokenizer, torch.device("cpu"))
+    assert scorer is None and all(torch.equal(critic.state_dict()[k], v) for k, v in rm.items())
+    assert all(p.requires_grad for p in critic.parameters())
+    fresh = ppo.load_reward_model_and_critic(ppo.Config(model=sft_checkpoint, reward_model="rule"), tokenizer,
+                                             torch.device("cpu"))[1]
+    assert not torch.equal(fresh.score.weight, critic.score.weight)
+    scorer, copied = ppo.load_reward_model_and_critic(ppo.Config(model=sft_checkpoint,
+                                                                       reward_model=rm_checkpoint), tokenizer,
+                                                            torch.device("cpu"))
+    assert torch.equal(copied.score.weight, scorer.score.weight) and copied is not scorer
+    with pytest.raises(SystemExit, match="no model found at /nowhere: it takes a folder written by reward_model"):
+        ppo.load_reward_model_and_critic(ppo.Config(model=sft_checkpoint, reward_model="rule",
+                                                    value_model="/nowhere"), tokenizer, torch.device("cpu"))
