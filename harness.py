@@ -191,7 +191,6 @@ class Run:
         self.step, self.metrics, self.sample, self.progress_postfix = 0, {}, None, {}
         self.learned_steps, self.no_signal = 0, None  # steps that had something to learn from; why one had not
         self.updated = False  # whether an update was applied to the weights yet (a clip_gradients check passed)
-        self.sharded = False  # whether shard() split the models over the processes (--fsdp)
 
     def prepare(self, model, scalar_head: bool = False):
         """The model as training needs it: activations recomputed in the backward pass
@@ -211,7 +210,6 @@ class Run:
         """--fsdp: each process keeps 1/N of every weight, gradient and AdamW state of these models
         (distributed.shard_model; None is skipped). Call it before building the optimizer."""
         if self.cfg.fsdp:
-            self.sharded = True
             for model in models:
                 if model is not None:
                     distributed.shard_model(model)
@@ -235,7 +233,7 @@ class Run:
         cfg = self.cfg
         self.evaluate, self.state = evaluate, state if state is not None else {}
         self.training_state = dict(models=models, optimizers=optimizers, schedulers=schedulers, rng=self.rng,
-                                   sharded=self.sharded)
+                                   sharded=cfg.fsdp)  # --fsdp: shard() split every trained model
         if cfg.resume:  # continue exactly where the last checkpoint stopped
             first_step, results = load_training_state(self.dir, **self.training_state)
             self.started -= results.get("elapsed", 0.0)
@@ -337,7 +335,7 @@ class Run:
             path = os.path.join(self.dir, folder) if folder else self.dir
             if folder and is_main_process():
                 os.makedirs(path, exist_ok=True)
-            save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder, self.sharded)
+            save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder, self.cfg.fsdp)
         write_json(os.path.join(self.dir, "eval.json"), self.scores)
         png = plot_metrics(self.dir, plots, title)
         finish_output_dir(self.dir, self.cfg, self.record)
@@ -441,7 +439,7 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False,
     crash while writing never leaves a half-written checkpoint over a good one. With LoRA this
     is the adapter only (adapter_config.json names the base model; load_model merges them), and
     with merge_lora also the adapter merged into a copy of its base, in <output_dir>/merged.
-    Rank 0 writes; a sharded model (sharded: Run.shard split it, --fsdp) is first gathered whole, from
+    Rank 0 writes; a sharded model (sharded: --fsdp, Run.shard split it) is first gathered whole, from
     every process (--merge_lora is refused with --fsdp: check_fsdp)."""
     if merge_lora and hasattr(model, "merge_and_unload") and is_main_process():
         os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)

@@ -191,7 +191,7 @@ def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, exp
 
 
 def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy, completion_mask, loss,
-             grad_norm, learning_rate, cfg) -> tuple[dict, dict]:
+             grad_norm, scheduler, cfg) -> tuple[dict, dict]:
     """Step 6, run.end_step's two arguments: the metrics (the loss, grpo.py's step_metrics on the rollouts, the grad
     norm, the learning rate, mix_metrics) and the rollouts' completions.jsonl columns. old_logprobs None: pi."""
     old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
@@ -199,7 +199,7 @@ def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprob
                **step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
                               ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
                               entropy[usual]),
-               "grad_norm": grad_norm.item(), "learning_rate": learning_rate,
+               "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg)}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages[usual].tolist(),
                    **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
@@ -287,7 +287,7 @@ def main(cfg: Config):
 
         # 6. Log grpo.py's metrics on the rollouts, MIX's terms and what the policy wrote; when due: evaluate, save.
         run.end_step(*step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
-                               completion_mask, loss, grad_norm, scheduler.get_last_lr()[0], cfg))
+                               completion_mask, loss, grad_norm, scheduler, cfg))
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

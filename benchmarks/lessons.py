@@ -294,6 +294,12 @@ def lessons() -> list[dict]:
              where="docs/mix.md; notebook 06", kind="one run each",
              evidence="one tiny weak-start seed (MIX at 12 prompts a step against GRPO's 16) and one SmolLM2 "
                       "seed (docs/real_models.md); suggestive only"),
+        dict(id="L32", lesson="SFT's greedy answer is right more often than its careless teacher",
+             where="README.md (the task and the data)", kind="a measurement per seed against the teacher's rate",
+             evidence="held-out greedy accuracy of the three SFT starts "
+             + ", ".join(f"{100 * SYLLABUS['starts'][str(sd)]['sft']['accuracy_greedy']:.1f}%" for sd in SEEDS)
+             + " against the 79.7% of the teacher's demonstrations that are right (data/demos); the margin on "
+               "seed 1 is within the noise"),
         dict(id="L31", lesson="SmolLM2's settings (dynamic sampling, groups of 8, the LoRA learning rate)",
              where="docs/real_models.md (how the settings were chosen)", kind="one run each",
              evidence="gaps of 0.4 to 2 points on 64 problems, one seed each: below the noise floor of "

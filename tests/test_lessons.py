@@ -67,3 +67,10 @@ def test_the_pages_quote_the_noise_floor_the_ledger_computes():
     assert f"below the {tiny:.2f} points by which two evaluations of one model differ" in page("docs", "mix.md")
     assert f"two evaluations of one model differ by {smollm2:.1f} points (root mean square" in page(
         "docs", "real_models.md")
+
+
+def test_the_first_page_quotes_the_sft_starts_greedy_range():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    greedy = [100 * lessons.SYLLABUS["starts"][str(s)]["sft"]["accuracy_greedy"] for s in lessons.SEEDS]
+    assert f"{min(greedy):.1f}% to {max(greedy):.1f}%)" in readme and min(greedy) > 79.7  # the teacher's rate
