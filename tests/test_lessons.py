@@ -74,3 +74,19 @@ def test_the_first_page_quotes_the_sft_starts_greedy_range():
         readme = " ".join(f.read().split())
     greedy = [100 * lessons.SYLLABUS["starts"][str(s)]["sft"]["accuracy_greedy"] for s in lessons.SEEDS]
     assert f"{min(greedy):.1f}% to {max(greedy):.1f}%)" in readme and min(greedy) > 79.7  # the teacher's rate
+
+
+def test_every_page_that_teaches_a_lesson_links_its_row():
+    """Each page a row names (README.md, docs/*.md) links the row by its id, e.g. [L7](docs/lessons.md#comparisons):
+    a reader of the lesson reaches its evidence and verdict in one click."""
+    missing = []
+    for row in lessons.lessons():
+        for place in row.get("where", "").split(";"):
+            page = place.strip().split(" ")[0]
+            if not page.endswith(".md"):
+                continue  # a notebook or a --help text: no links there
+            with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+                text = f.read()
+            if f"[{row['id']}](" not in text:
+                missing.append(f"{row['id']} in {page}")
+    assert not missing, "rows a page teaches without linking them: " + ", ".join(missing)
