@@ -2,9 +2,10 @@
 
 The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.main`) with short
 configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
-and reused after that. The same config, seed and machine give the same checkpoint; on another
-machine the float order differs and SFT amplifies it, so each notebook's committed outputs are only
-comparable with those made from the same checkpoint (notebook 08's were made from one of their own).
+and reused after that: the committed outputs of all eight notebooks come from one SFT checkpoint and
+one reward model. The same config, seed and machine give the same checkpoint; on another machine the
+float order differs and SFT amplifies it, so a notebook run elsewhere prints other numbers than its
+committed outputs.
 """
 import dataclasses
 import json
@@ -18,7 +19,7 @@ import sft
 
 OUT = os.environ.get("RLHF_NOTEBOOKS_OUT", "out/notebooks")
 
-# 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets ~55% of the sums,
+# 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets about half of the sums right,
 # so RL groups hold both right and wrong answers. (The README's full run is 700 steps.)
 SFT_CONFIG = sft.Config(max_steps=300, eval_steps=300, num_eval_examples=64, output_dir=f"{OUT}/sft")
 # A short reward model on the shipped pairs plus pairs from the SFT policy's samples on 64 prompts.
