@@ -35,7 +35,7 @@ class Config(harness.RunConfig):
     """prompts on which the --model policy samples answers that the checker labels, for extra pairs
     (0 = the shipped pairs only; needs <answer> tags in the chosen answers). The default takes every shipped
     training prompt: pairs of the policy's own mistakes may make the reward model harder for PPO to game (one seed
-    suggests it: docs/lessons.md, L27)"""
+    suggested it; at these defaults PPO still gamed one reward model of three: docs/lessons.md, L27)"""
     samples_per_prompt: int = setting(8, lambda v: v >= 2, "at least 2: a wrong sample is paired with a right one")
     """policy samples per prompt; each wrong one is paired with a right one"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")

@@ -86,8 +86,13 @@ def differences(b: dict, a: dict) -> list[float]:
 def tiny_twice() -> list[float]:
     """Differences of two evaluations of one tiny model on the 500 held-out problems x 4 samples: SFT's own
     final evaluation against the RL run's step 0 (the same weights, drawn again), and rule_ppo's step 0
-    (its fresh critic head draws random numbers first) against grpo's; per seed."""
+    (its fresh critic head draws random numbers first) against grpo's; per seed. The 120-step PPO rows add
+    their start's SFT evaluation against rm_ppo_120's step 0 (rule_ppo_120's step 0 is not a second draw: its
+    critic is copied, not drawn, so it samples the very same answers)."""
     twice = []
+    long_ppo = {run["seed"]: run for run in SYLLABUS["results"].get("rm_ppo_120", [])}
+    for seed, run in long_ppo.items():
+        twice.append(100 * run["sft_eval"]["accuracy_sampled"] - run["evals"][0]["sampled"])
     grpo0 = {seed: steps[0] for seed, steps in evals("grpo").items()}
     for seed in SEEDS:
         start = SYLLABUS["starts"][str(seed)]
@@ -193,6 +198,12 @@ def lessons() -> list[dict]:
              differs="two things: the reward (the checker's +-1) and the critic's start (a fresh head on the "
                      "SFT model instead of the reward model)", unit="points, final sampled accuracy",
              **paired(final("rule_ppo"), final("rm_ppo"), "same")),
+        dict(id="L33", lesson="PPO with the checker's reward ends above PPO with the reward model at 120 steps",
+             where="README.md (what each stage gains); docs/classic_rlhf.md; docs/dpo.md (the controls)",
+             arms="rm_ppo_120 -> rule_ppo_120",
+             differs="the reward alone (the checker's +-1 instead of the reward model's score; the critic starts "
+                     "from the reward model in both)", unit="points, final sampled accuracy (step 120)",
+             **paired(final("rule_ppo_120"), final("rm_ppo_120"), "up")),
         dict(id="L8", lesson="Online KTO ends above online DPO (both judged by the checker)",
              where="docs/dpo.md (KTO)", arms="dpo_online_rule -> kto_online",
              differs="the loss (KTO's, which learns from ties too)", unit="points, final sampled accuracy",
@@ -279,11 +290,20 @@ def lessons() -> list[dict]:
              where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control",
              evidence="policy-pair accuracy " + ", ".join(
                  f"{100 * SYLLABUS['starts'][str(sd)]['rm']['policy_pairwise_accuracy']:.1f}%" for sd in SEEDS)
-             + " against rm_ppo's gains " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo").values())),
+             + " against rm_ppo's gains " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo").values())
+             + " (40 steps); at 120 steps (rm_ppo_120, other starts) " + ", ".join(
+                 f"{100 * run['rm_eval']['policy_pairwise_accuracy']:.1f}%"
+                 for run in SYLLABUS["results"]["rm_ppo_120"])
+             + " against " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo_120").values())
+             + ": not in the same order either time"),
         dict(id="L27", lesson="Pairs from the policy's own samples stop PPO gaming the reward model",
-             where="docs/classic_rlhf.md; reward_model.py --help", kind="one seed, results not committed",
-             evidence="classic_rlhf.md's seed 2: an RM with pairs from 2,000 prompts gave PPO +8.0 where one "
-                      "with 500 gave +4.6; PPO against a synthetic-only RM at these settings was not run"),
+             where="docs/classic_rlhf.md; reward_model.py --help", kind="one seed, results not committed; "
+                                                                         "contradicted by a committed run",
+             evidence="classic_rlhf.md's seed 2 (an earlier machine): an RM with pairs from 2,000 prompts gave PPO "
+                      "+8.0 where one with 500 gave +4.6; PPO against a synthetic-only RM at these settings was "
+                      "not run. Against it: rm_ppo_120's seed 1, whose RM has the default pairs from all 3,000 "
+                      "prompts, was gamed (held-out sampled " + " -> ".join(
+                          f"{e['sampled']:.2f}" for e in SYLLABUS["results"]["rm_ppo_120"][1]["evals"]) + ")"),
         dict(id="L28", lesson="Online DPO with the checker is GRPO's signal with groups of 2",
              where="docs/dpo.md; notebook 07", kind="mathematics",
              evidence="derived in docs/dpo.md and checked by tests/test_dpo.py"),

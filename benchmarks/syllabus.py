@@ -16,6 +16,9 @@ for rule_ppo, which changes two:
 
     rule_ppo             rm_ppo with the checker's reward instead of the reward model's score, and so
                          with a fresh critic head on the SFT model instead of the reward model as critic
+    rule_ppo_120         rm_ppo_120 (rm_ppo for 120 steps, ppo.py's default length, evaluated every 40) with
+                         the checker's reward instead of the reward model's score, the critic starting from
+                         the reward model in both arms (--value_model): the reward is the one thing changed
     dpo_offline_5e-5     dpo_offline at online DPO's learning rate (5e-5) instead of 5e-6
     dpo_own_pairs        dpo_offline_5e-5 on the start's own samples ranked once by the checker
                          (own_pairs), instead of the shipped pairs; against dpo_online_rule it is
@@ -79,7 +82,11 @@ METHODS = {  # name: (script, arguments beyond --model / --seed / --output_dir, 
     "grpo_4_iterations_3e-4_no_clip": ("grpo.py", ["--num_iterations", "4", "--learning_rate", "3e-4",
                                                    "--epsilon", "1e6"], "sft"),
     "dpo_iterative_10": ("dpo.py", ["--online", "true", "--judge", "rule", "--steps_per_generation", "10"], "sft"),
+    # PPO at its own default length (120 steps), where the reward's two kinds drift apart
+    "rm_ppo_120": ("ppo.py", ["--reward_model", "{rm}"], "sft"),
+    "rule_ppo_120": ("ppo.py", ["--reward_model", "rule", "--value_model", "{rm}"], "sft"),
 }
+LONG = {"rm_ppo_120": 120, "rule_ppo_120": 120}  # rows trained longer than STEPS, evaluated every 40 steps
 CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "rule_ppo": ("rm_ppo", "two things: the reward (the checker instead of the reward model) and the critic's start "
                            "(a fresh head instead of the reward model)"),
@@ -91,11 +98,14 @@ CONTROLS = {  # control: (the row it changes one thing of, that one thing)
     "grpo_4_iterations_3e-4": ("grpo_4_iterations", "the learning rate: 3e-4 instead of 5e-5"),
     "grpo_4_iterations_3e-4_no_clip": ("grpo_4_iterations_3e-4", "no clip (--epsilon 1e6) instead of 0.2"),
     "dpo_iterative_10": ("dpo_online_rule", "the pairs of 10 steps sampled at once, every 10 steps (iterative DPO)"),
+    "rule_ppo_120": ("rm_ppo_120", "the reward alone: the checker instead of the reward model, the critic starting "
+                                   "from the reward model in both (--value_model)"),
 }
 NEEDS_RM = ("rm_ppo", "dpo_online_rm", "rm_ppo_4_updates")  # their clock starts after the reward model's training
 COLORS = dict(zip(METHODS, ["tab:blue", "lightsteelblue", "slategrey", "tab:orange", "tab:green", "tab:olive",
                             "tab:red", "tab:pink", "tab:cyan", "darkviolet", "tab:purple", "tab:brown", "chocolate",
-                            "navy", "tab:gray", "gold", "black", "magenta", "teal"]))  # a colour a method, every panel
+                            "navy", "tab:gray", "gold", "black", "magenta", "teal", "tab:green",
+                            "tab:purple"]))  # a colour a method, every panel
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,8 +188,9 @@ def run(method: str, seed: int, out: str) -> dict:
     script, extra, kind = METHODS[method]
     folders = start(kind, seed, out)
     stats = own_pairs(folders["sft"], folders["own_pairs"], seed) if "{own_pairs}" in extra else None
+    steps, every = (LONG[method], 2 * EVAL_STEPS) if method in LONG else (STEPS, EVAL_STEPS)
     folder = train(f"{out}/{method}/{seed}", [script, "--model", folders["sft"], "--seed", str(seed),
-                                              "--max_steps", str(STEPS), "--eval_steps", str(EVAL_STEPS),
+                                              "--max_steps", str(steps), "--eval_steps", str(every),
                                               *[a.format(**folders) for a in extra]])
     return {"seed": seed, **summary(folder, folders, stats)}
 
@@ -224,6 +235,10 @@ def summary(folder: str, folders: dict, stats: dict | None) -> dict:
                              for row in train_rows if "rewards/chosen" in row],
                "means": means, "first": first, "last10": last10}
     summary["cost"] = read_cost(folder)
+    summary["sft_eval"] = read_json(os.path.join(folders["sft"], "eval.json"))  # the start's own final evaluation
+    if len(train_rows) > STEPS:  # a longer run: its reward model's score and the checker's accuracy, step by step
+        summary["per_step"] = {key: [row[key] for row in train_rows] for key in ("score", "accuracy", "kl_sum")
+                               if key in train_rows[-1]}
     if "rm" in folders and any(folders["rm"] in str(v) for v in settings.values()):
         summary["rm_cost"] = read_cost(folders["rm"])
         with open(os.path.join(ROOT, folders["rm"], "eval.json")) as f:
@@ -276,11 +291,11 @@ def answers(run: dict) -> str:
 
 
 def table(results: dict) -> str:
-    """The side-by-side table: mean (range over seeds)."""
+    """The side-by-side table of the runs of STEPS steps: mean (range over seeds)."""
     lines = [f"| method | answers a step ({STEPS} steps) | lr, KL weight | minutes on one core (+ reward model) | "
              f"step 0 | step {STEPS} | gain (points) | greedy at {STEPS} |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for method, runs in results.items():
+    for method, runs in ((m, runs) for m, runs in results.items() if m not in LONG):
         minutes = statistics.fmean(run["cost"]["cpu_minutes"] for run in runs)
         rm = f" (+{statistics.fmean(r['rm_cost']['cpu_minutes'] for r in runs):.1f})" if "rm_cost" in runs[0] else ""
         lines.append(f"| {method} | {answers(runs[0])} | {given(runs[0])} | {minutes:.1f}{rm} | "
@@ -301,6 +316,24 @@ def controls_table(results: dict) -> str:
             per_seed = ", ".join(f"{a - b:+.1f}" for a, b in zip(ours, theirs))
             lines.append(f"| {control} | {change}; `{row}` | {spread(ours)} | {spread(theirs)} | "
                          f"{statistics.fmean(ours) - statistics.fmean(theirs):+.1f} | {per_seed} |")
+    return "\n".join(lines)
+
+
+def ppo_seeds_table(results: dict) -> str:
+    """PPO at its default length on each seed, with the checker's reward beside it (the critic starting from the
+    reward model in both): the start, the reward model, the held-out sampled accuracy at each evaluation."""
+    lines = ["| seed | SFT greedy / sampled | reward model: pairwise accuracy, shipped / policy pairs | "
+             "PPO sampled: step 0 -> 40 -> 80 -> 120 | gain | PPO greedy at 120 | the checker's reward instead: "
+             "gain | difference |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rule = {run["seed"]: run for run in results.get("rule_ppo_120", [])}
+    for run in results.get("rm_ppo_120", []):
+        sft, rm, evals = run["sft_eval"], run["rm_eval"], run["evals"]
+        other = rule.get(run["seed"])
+        diff = (f"{gains([other])[0]:+.2f} | {gains([other])[0] - gains([run])[0]:+.2f}" if other else "- | -")
+        lines.append(f"| {run['seed']} | {100 * sft['accuracy_greedy']:.1f} / {100 * sft['accuracy_sampled']:.2f} | "
+                     f"{100 * rm['pairwise_accuracy']:.1f} / {100 * rm['policy_pairwise_accuracy']:.1f} | "
+                     + " -> ".join(f"{e['sampled']:.2f}" for e in evals)
+                     + f" | **{gains([run])[0]:+.2f}** | {evals[-1]['greedy']:.1f} | {diff} |")
     return "\n".join(lines)
 
 
@@ -343,7 +376,7 @@ def figures(results: dict, seeds: list[int], folder: str):
     noise = lessons.rms(lessons.FLOORS["tiny"])
     fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4),
                                                     gridspec_kw={"width_ratios": [1.4, 1, 1, 1]})
-    others = [m for m in results if m not in CONTROLS and m not in ("grpo", "dpo_online_rm")]
+    others = [m for m in results if m not in CONTROLS and m not in LONG and m not in ("grpo", "dpo_online_rm")]
     paired_panel(kept, [(m, "grpo", m) for m in others], results, noise)
     for method in ("rm_ppo", "dpo_online_rm"):
         if method in results:
@@ -386,7 +419,8 @@ def figures(results: dict, seeds: list[int], folder: str):
     paired_panel(ax, pairs, results, noise)
     ax.set(ylabel=f"final sampled accuracy: control - row, points\n(grey: +-2 x {noise:.2f} / sqrt(seeds), the noise)",
            title=f"Each control minus the row it changes (one thing; rule_ppo two: the reward and the critic's start), "
-                 f"{STEPS} steps,\nseed by seed (marker shape), the bar their mean; verdicts: docs/lessons.md")
+                 f"{STEPS} steps (the _120 pair: 120),\nseed by seed (marker shape), the bar their mean; "
+                 "verdicts: docs/lessons.md")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
@@ -413,14 +447,16 @@ def main():
         saved = read_json(path) if args.add else {"seeds": [], "starts": {}, "results": {}}
         saved["results"].update({m: [done[m, seed] for seed in args.seeds] for m in args.methods})
         saved["seeds"] = sorted(set(saved["seeds"]) | set(args.seeds))
-        for seed in args.seeds:  # each start's own final evaluation: the SFT models and the reward model
+        # each start's own final evaluation (the SFT models and the reward model), from the runs of STEPS steps only:
+        # the LONG rows carry their start's (sft_eval, rm_eval), which may come from another machine's float order
+        for seed in args.seeds if set(args.methods) - set(LONG) else []:
             saved["starts"].setdefault(str(seed), {}).update({
                 name: read_json(f"{args.out}/{name}/{seed}/eval.json") for name in ("sft", "rm", "sft_perfect")
                 if os.path.isfile(os.path.join(ROOT, args.out, name, str(seed), "eval.json"))})
         with open(path, "w") as f:
             json.dump(saved, f, indent=1)
         results, seeds = saved["results"], saved["seeds"]
-    print(table(results), "", controls_table(results), sep="\n")
+    print(table(results), "", controls_table(results), "", ppo_seeds_table(results), sep="\n")
     figures(results, seeds, args.docs)
     print(f"figures: {args.docs}/syllabus.png, {args.docs}/controls.png; summaries: {path}")
 

@@ -38,13 +38,33 @@ def test_speed_ratio_is_the_speed_tables():
     assert ours / trl == pytest.approx(float(page.group(1)), abs=0.01)
 
 
-def test_readme_chain_table_is_the_speed_pages_chain_table():
-    speed, readme = read("docs", "speed.md").split("**The whole chain**")[1], read("README.md")
-    for script in ("sft", "grpo", "mix"):
-        assert number(table_row(readme, f"`python {script}.py`")[1]) == number(table_row(speed, f"{script}.py")[1])
-    rm, ppo = re.findall(r"(\d+) s", table_row(readme, "`python reward_model.py` then")[1])
-    assert int(rm) == number(table_row(speed, "reward_model.py")[1])
-    assert int(ppo) == number(table_row(speed, "ppo.py")[1])
+def chain_runs() -> dict:
+    """docs/chain.json (`python benchmarks/run.py --chain`): the quickstart's runs, by command."""
+    return {run["command"]: run for run in json.loads(read("docs", "chain.json"))["runs"]}
+
+
+def test_readme_chain_table_is_the_committed_chain():
+    """Every row of the README's table (wall time, greedy and sampled accuracy at the end) is the committed run."""
+    runs, readme = chain_runs(), read("README.md")
+    for command, run in runs.items():
+        if command == "python reward_model.py":
+            continue  # on the PPO row: its wall time is the first of two
+        first = "`python reward_model.py` then `python ppo.py`" if command == "python ppo.py" else f"`{command}`"
+        cells = table_row(readme, first + " (")
+        seconds = re.findall(r"(\d+) s", cells[1])
+        if command == "python ppo.py":
+            assert [int(s) for s in seconds] == [round(runs["python reward_model.py"]["wall_s"]), round(run["wall_s"])]
+        else:
+            assert [int(s) for s in seconds] == [round(run["wall_s"])], command
+        for cell, key in ((cells[2], "accuracy_greedy"), (cells[3], "accuracy_sampled")):
+            assert f"{100 * run['eval'][key]:.2f}".rstrip("0").rstrip(".") + "%" == cell, (command, key)
+
+
+def test_speed_pages_chain_table_is_the_committed_chain():
+    speed = read("docs", "speed.md").split("**The whole chain**")[1]
+    for command, run in chain_runs().items():
+        cells = table_row(speed, f"`{command}`")
+        assert [int(c) for c in cells[1:4]] == [round(run["wall_s"]), round(run["cpu_s"]), round(run["peak_rss_mb"])]
 
 
 def test_readme_gains_are_the_tables_differences():
@@ -111,6 +131,7 @@ def test_dpo_pages_tables_are_the_committed_syllabus_runs():
     assert saved["seeds"] == [0, 1, 2]
     assert syllabus.table(saved["results"]) in page
     assert syllabus.controls_table(saved["results"]) in page
+    assert syllabus.ppo_seeds_table(saved["results"]) in read("docs", "classic_rlhf.md")
 
 
 def test_dpo_page_quotes_the_kto_and_iterative_dpo_rows():
@@ -514,3 +535,65 @@ def test_real_models_pass_at_k_is_the_committed_evaluations():
     trained = [in_words(f"{smollm2_evals(f'pass-at-k-seed{seed}', stage)[-1]['time/elapsed'] / 60:.1f}"
                         for seed in seeds) for stage in ("sft", "grpo")]
     assert f"SFT took {trained[0]} minutes and GRPO {trained[1]} by their own clocks" in page
+
+
+def test_mix_page_weak_start_rows_are_the_committed_runs():
+    """docs/mix.md's weak-start rows and the sentences on them are docs/mix_runs/weak-seed0/'s metrics."""
+    page = " ".join(read("docs", "mix.md").split())
+    runs = {}
+    for name in ("grpo", "mix"):
+        with open(os.path.join(ROOT, "docs", "mix_runs", "weak-seed0", name, "metrics.jsonl")) as f:
+            runs[name] = [json.loads(line) for line in f]
+        evals = [row for row in runs[name] if "eval/accuracy_sampled" in row]
+        cells = next(cells for line in read("docs", "mix.md").splitlines() if line.startswith("| weak:")
+                     for cells in [[c.strip() for c in line.strip("|").split("|")]]
+                     if cells[1].startswith(f"`{name}.py"))
+        quoted = re.findall(r"[\d.]+", cells[2])
+        assert len(quoted) == len(evals) == 4
+        for q, row in zip(quoted, evals):
+            assert float(q) == pytest.approx(100 * row["eval/accuracy_sampled"], abs=0.005), name
+        assert number(cells[3]) == pytest.approx(100 * evals[-1]["eval/accuracy_greedy"], abs=0.05)
+        gain = 100 * (evals[-1]["eval/accuracy_sampled"] - evals[0]["eval/accuracy_sampled"])
+        assert f"{name.upper()} {gain:.2f}" in page
+    zero = statistics.fmean(row["frac_reward_zero_std"] for row in runs["grpo"] if "frac_reward_zero_std" in row)
+    assert f"GRPO's groups ({100 * zero:.0f}%)" in page
+    nll = [row["expert/sft_loss"] for row in runs["mix"] if "expert/sft_loss" in row]
+    assert f"went from {nll[0]:.3f} to {nll[-1]:.3f}" in page
+    with open(os.path.join(ROOT, "docs", "mix_runs", "weak-seed0", "sft", "eval.json")) as f:
+        sft = json.load(f)
+    assert f"{100 * sft['accuracy_greedy']:.1f}% greedy but only {100 * sft['accuracy_sampled']:.1f}%" in page
+
+
+def test_classic_rlhf_hacked_seed_paragraph_is_the_committed_runs():
+    """classic_rlhf.md's paragraph on the 120-step PPO seeds: the reward model's score and the checker's accuracy
+    of the same completions over the first and last 8 steps, the KL at the end, and the differences, from the
+    per-step metrics committed in docs/syllabus.json."""
+    page = " ".join(read("docs", "classic_rlhf.md").split())
+    results = json.loads(read("docs", "syllabus.json"))["results"]
+    rm, rule = ({run["seed"]: run for run in results[m]} for m in ("rm_ppo_120", "rule_ppo_120"))
+
+    def window(run, key, first):
+        values = run["per_step"][key]
+        return statistics.fmean(values[:8] if first else values[-8:])
+
+    hacked = rm[1]
+    assert (f"Over steps 1-8 the reward model's mean score was {window(hacked, 'score', True):.2f} and the checker's "
+            f"accuracy of the same completions {window(hacked, 'accuracy', True):.2f}; over steps 113-120, "
+            f"{window(hacked, 'score', False):.2f} and {window(hacked, 'accuracy', False):.2f}") in page
+    assert (f"reached {window(hacked, 'kl_sum', False):.2f}, against {window(rm[0], 'kl_sum', False):.2f} and "
+            f"{window(rm[2], 'kl_sum', False):.2f} on seeds 0 and 2") in page
+    for seed in (0, 2):
+        run = rm[seed]
+        assert (f"{window(run, 'score', True):.2f} -> {window(run, 'score', False):.2f} and "
+                f"{window(run, 'accuracy', True):.2f} -> {window(run, 'accuracy', False):.2f}") in page
+    assert f"greedy {hacked['evals'][0]['greedy']:.1f}% -> {hacked['evals'][-1]['greedy']:.1f}%" in page
+    gain = rule[1]["evals"][-1]["sampled"] - rule[1]["evals"][0]["sampled"]
+    assert f"the same PPO gained {gain:.2f} points, and its KL stayed at {window(rule[1], 'kl_sum', False):.2f}" in page
+    diffs = [rule[s]["evals"][-1]["sampled"] - rm[s]["evals"][-1]["sampled"] for s in (0, 1, 2)]
+    assert f"by {diffs[0]:.2f}, {diffs[1]:.2f} and {diffs[2]:.2f} points" in page
+    pairs = [100 * rm[s]["rm_eval"]["policy_pairwise_accuracy"] for s in (0, 1, 2)]
+    assert (f"{100 * hacked['rm_eval']['pairwise_accuracy']:.1f}% on the shipped pairs (the highest of the three) and "
+            f"{pairs[1]:.1f}% on the policy's (between {pairs[0]:.1f}% and {pairs[2]:.1f}%)") in page
+    assert max(rm[s]["rm_eval"]["pairwise_accuracy"] for s in (0, 1, 2)) == hacked["rm_eval"]["pairwise_accuracy"]
+    minutes = [run["cost"]["cpu_minutes"] for m in (rm, rule) for run in m.values()]
+    assert f"{min(minutes):.1f} to {max(minutes):.1f} processor minutes a PPO run" in page
