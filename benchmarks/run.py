@@ -3,8 +3,8 @@ work through TRL's GRPOTrainer, one after the other on this machine. One command
 
     pip install -r benchmarks/requirements.txt     # trl: only the benchmark needs it
     python benchmarks/run.py                       # ~4 min on a 2-core laptop; needs out/sft and out/rm
-    python benchmarks/run.py --chain               # the README's whole chain at full defaults (~20 min),
-                                                   # then docs/compare.png: accuracy vs step and vs wall-clock
+    python benchmarks/run.py --chain               # the README's quickstart at full defaults (~30 min) into
+                                                   # docs/chain.json, then docs/compare.png from it
     python benchmarks/run.py --model path/to/model.gguf --steps 4 --rounds 1 -- \\
         --per_device_train_batch_size 16 --num_generations 4     # grpo.py vs TRL on a real model, these settings
 
@@ -95,27 +95,122 @@ def summary(name, runs, per_step=None):
     }
 
 
-# the README's order; each reads out/sft (and out/rm)
-CHAIN = ["sft.py", "reward_model.py", "ppo.py", "grpo.py", "mix.py"]
+# the README's quickstart, in its order: (the command's arguments, the run's folder); each RL run reads out/sft
+CHAIN = [("sft.py", [], "out/sft"), ("reward_model.py", [], "out/rm"), ("ppo.py", [], "out/ppo"),
+         ("grpo.py", [], "out/grpo"), ("mix.py", [], "out/mix"), ("dpo.py", ["--online", "true"], "out/dpo"),
+         ("dpo.py", ["--online", "true", "--loss_type", "kto", "--output_dir", "out/kto"], "out/kto"),
+         ("rft.py", [], "out/rft")]
+EVAL_KEYS = ("step", "eval/accuracy_sampled", "eval/accuracy_greedy", "time/elapsed")
+PER_STEP_KEYS = ("score", "accuracy", "kl_sum", "frac_reward_zero_std")
+
+
+def read_run(out_dir: str) -> dict:
+    """What docs/chain.json keeps of a finished run: its final evaluation, every held-out evaluation (its
+    metrics.jsonl rows that hold one) and, step by step where it logs them, PPO's reward-model score, the
+    checker's accuracy of the same completions and the KL, and GRPO's and MIX's share of groups with no spread."""
+    with open(os.path.join(ROOT, out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    kept = {"eval": json.load(open(os.path.join(ROOT, out_dir, "eval.json"))),
+            "evals": [{key: row[key] for key in EVAL_KEYS if key in row} for row in rows
+                      if "eval/accuracy_sampled" in row]}
+    per_step = {key: [row[key] for row in rows if key in row] for key in PER_STEP_KEYS}
+    if any(per_step.values()):
+        kept["per_step"] = {key: values for key, values in per_step.items() if values}
+    return kept
 
 
 def run_chain(workdir):
-    """Every script at its defaults, one after the other (writing out/<script>): wall time and peak memory."""
+    """Every quickstart command at its defaults, one after the other (writing out/<script>): wall time, processor
+    time, peak memory, and the run's held-out evaluations (its metrics.jsonl rows that hold one)."""
     results, result_file = [], os.path.join(workdir, "rss.json")
-    for script in CHAIN:
-        start = time.perf_counter()
-        subprocess.run([sys.executable, __file__, "--child", script, result_file, "--overwrite_output_dir", "true"],
-                       cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out_dir = os.path.join(ROOT, "out", script.replace(".py", "").replace("reward_model", "rm"))
-        results.append({"name": script, "wall_s": time.perf_counter() - start, **json.load(open(result_file)),
-                        "eval": json.load(open(os.path.join(out_dir, "eval.json")))})
-        print(f"  {script}: {results[-1]['wall_s']:.0f} s, peak RSS {results[-1]['peak_rss_mb']:.0f} MB", flush=True)
-    print("\n| script | wall time (s) | peak RSS (MB) |\n|---|---|---|")
+    for script, args, out_dir in CHAIN:
+        start, before = time.perf_counter(), os.times()
+        subprocess.run([sys.executable, __file__, "--child", script, result_file, *args, "--overwrite_output_dir",
+                        "true"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        after = os.times()
+        results.append({"command": " ".join(["python", script, *args]), "output_dir": out_dir,
+                        "wall_s": time.perf_counter() - start,
+                        "cpu_s": after.children_user + after.children_system - before.children_user
+                        - before.children_system, **json.load(open(result_file)), **read_run(out_dir)})
+        last = results[-1]
+        print(f"  {last['command']}: {last['wall_s']:.0f} s, peak RSS {last['peak_rss_mb']:.0f} MB", flush=True)
+    print("\n| command | wall time (s) | processor time (s) | peak RSS (MB) |\n|---|---|---|---|")
     for r in results:
-        print(f"| {r['name']} | {r['wall_s']:.0f} | {r['peak_rss_mb']:.0f} |")
-    print(f"| the chain | {sum(r['wall_s'] for r in results):.0f} | {max(r['peak_rss_mb'] for r in results):.0f} |")
+        print(f"| {r['command']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['peak_rss_mb']:.0f} |")
+    print(f"| the chain | {sum(r['wall_s'] for r in results):.0f} | {sum(r['cpu_s'] for r in results):.0f} | "
+          f"{max(r['peak_rss_mb'] for r in results):.0f} |")
     return results
+
+
+def chain_table(chain: dict) -> str:
+    """docs/experiments.md's table of the chain: each run's steps, minutes on its own clock (time/elapsed) and
+    held-out accuracy at its first and last evaluations (PPO's also at step 40)."""
+    runs = {r["output_dir"].split("/")[-1]: r for r in chain["runs"]}
+    percent = lambda x: f"{round(100 * x, 2):g}%"  # noqa: E731
+    lines = ["| run | steps | minutes | held-out sampled | held-out greedy |", "| --- | --- | --- | --- | --- |"]
+    names = {"sft": "SFT", "ppo": "PPO", "grpo": "GRPO", "mix": "MIX", "dpo": "online DPO", "kto": "online KTO",
+             "rft": "RFT"}
+    for key, name in names.items():
+        evals = runs[key]["evals"]
+        first, last = evals[0], evals[-1]
+        sampled = [percent(first["eval/accuracy_sampled"]) + (f" (step {first['step']})" if key == "sft" else "")]
+        if key == "ppo":
+            sampled.append(f"{percent(evals[1]['eval/accuracy_sampled'])} (step {evals[1]['step']})")
+        sampled.append(percent(last["eval/accuracy_sampled"]))
+        minutes = f"{last['time/elapsed'] / 60:.1f}" + (
+            f" (+ {runs['rm']['wall_s'] / 60:.1f} wall minutes for its reward model)" if key == "ppo" else "")
+        lines.append(f"| {name} | {last['step']} | {minutes} | {' -> '.join(sampled)} | "
+                     f"{percent(first['eval/accuracy_greedy'])} -> {percent(last['eval/accuracy_greedy'])} |")
+    return "\n".join(lines)
+
+
+def chain_figure(chain: dict, path: str):
+    """docs/compare.png from docs/chain.json: SFT's held-out accuracy at the steps it was evaluated (points, not a
+    curve), and each RL run's gain, its held-out sampled accuracy minus its own step-0 evaluation (SFT's model
+    sampled anew), with bars of +-2 x the noise of one evaluation (the noise floor of docs/lessons.md, a difference
+    of two evaluations, / sqrt 2): two curves closer than their bars cannot be told apart on one seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import lessons
+    import syllabus
+
+    one_eval = lessons.rms(lessons.FLOORS["tiny"]) / 2**0.5
+    runs = {r["output_dir"].split("/")[-1]: r for r in chain["runs"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    sft = runs["sft"]["evals"]
+    for key, marker in (("eval/accuracy_greedy", "s"), ("eval/accuracy_sampled", "o")):
+        left.scatter([r["step"] for r in sft], [100 * r[key] for r in sft], marker=marker, color="black",
+                     label=key.split("_")[-1] + (" (mean of 4 at T=1)" if "sampled" in key else ""))
+    left.set(title="SFT: held-out accuracy where it was evaluated", xlabel="SFT step", ylabel="accuracy, %",
+             xlim=(0, None))
+    what = {"ppo": ("rm_ppo", "PPO, reward model (128 prompts x 1 a step)"),
+            "grpo": ("grpo", "GRPO (16 prompts x 8)"), "mix": ("mix", "MIX (12 prompts x 8 + 32 expert answers)"),
+            "dpo": ("dpo_online_rule", "online DPO, the checker (64 prompts x 2)"),
+            "kto": ("kto_online", "online KTO, the checker (64 prompts x 2)"), "rft": ("rft", "RFT (16 prompts x 8)")}
+    what["ppo"] = (what["ppo"][0], what["ppo"][1] + f", after its reward model's {runs['rm']['wall_s']:.0f} s")
+    percent = lambda x: f"{round(100 * x, 2):g}%"  # noqa: E731  (73.1%, 91.25%)
+    for name, (color, label) in what.items():
+        evals = runs[name]["evals"]
+        start = evals[0]["eval/accuracy_sampled"]
+        right.errorbar([r["step"] for r in evals], [100 * (r["eval/accuracy_sampled"] - start) for r in evals],
+                       yerr=2 * one_eval, marker="o", ms=4, capsize=2, color=syllabus.COLORS[color],
+                       label=f"{label}: {percent(start)} -> {percent(evals[-1]['eval/accuracy_sampled'])}")
+    right.axhline(0, color="grey", lw=0.8)
+    right.set(title="RL from SFT's model: gain over its own step-0 evaluation", xlabel="RL step (a step's size differs:"
+              " the legend)", ylabel=f"sampled accuracy - step 0's, points\n(bars: +-2 x {one_eval:.2f}, one "
+              "evaluation's noise)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"The quickstart at its defaults, seed 0, one run each ({chain['date']}, docs/chain.json); held-out: "
+                 f"500 problems. Step 0 is SFT's model sampled again, not SFT's own final evaluation "
+                 f"({percent(runs['sft']['eval']['accuracy_sampled'])})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(ROOT, path), dpi=100)
 
 
 def main():
@@ -127,7 +222,8 @@ def main():
                         help="instead: time the whole default chain (sft.py ... mix.py)")
     parser.add_argument("--figure", default="docs/compare.png", help="with --chain: where the accuracy figure goes")
     parser.add_argument("--output", default=None,
-                        help="the table as JSON (default out/bench/results.json or chain.json)")
+                        help="the table as JSON (default out/bench/results.json; with --chain docs/chain.json)")
+    parser.add_argument("--report", action="store_true", help="with --chain: run nothing, redraw from its JSON")
     parser.add_argument("--baseline", default=None,
                         help="also time the scripts (not TRL) of another checkout, e.g. the commit before a speed-up "
                              "(git worktree add /tmp/before <commit>), in the same rounds: rows '<script> (baseline)'")
@@ -158,17 +254,20 @@ def main():
         sys.exit("error: trl is not installed: `pip install -r benchmarks/requirements.txt`, or leave it out with "
                  "--only ppo.py grpo.py mix.py")
     if args.chain:
-        with tempfile.TemporaryDirectory() as workdir:
-            results = run_chain(workdir)
-        with open(args.output or os.path.join(ROOT, "out/bench/chain.json"), "w") as f:
-            json.dump(results, f, indent=1)
-        print()  # and the figure of held-out accuracy vs step and vs wall-clock, from the runs' metrics.jsonl
-        subprocess.run([sys.executable, "docs/compare_runs.py", "SFT=out/sft", "PPO (reward model)=out/ppo",
-                        "GRPO=out/grpo", "MIX=out/mix", "--gains", "--title",
-                        "The default chain, seed 0: SFT on the demonstrations, then PPO, GRPO and MIX from it, "
-                        "120 steps each\n(held-out: 500 problems, evaluated points; sampled = mean of 4 samples "
-                        "at temperature 1; wall times: the README's table)", "--output", args.figure],
-                       cwd=ROOT, check=True)
+        chain_path = os.path.join(ROOT, args.output or "docs/chain.json")
+        if not args.report:
+            with tempfile.TemporaryDirectory() as workdir:
+                runs = run_chain(workdir)
+            with open("/proc/cpuinfo") as f:  # the processor's name (platform.processor() is often only x86_64)
+                name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+            machine = f"{name or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+            with open(chain_path, "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d"), "machine": machine, "runs": runs}, f, indent=1)
+        with open(chain_path) as f:
+            chain = json.load(f)
+        print(chain_table(chain))
+        chain_figure(chain, args.figure)
+        print(f"{chain_path}; the figure: {args.figure}")
         return
     names = [name + suffix for name in args.only for suffix in
              ("", *([BASELINE] if args.baseline and not name.startswith("TRL") else []))]

@@ -41,10 +41,13 @@ def test_the_standard_error_is_the_seeds_spread_or_the_floor_whichever_is_larger
 
 
 def test_the_noise_floor_is_one_model_evaluated_twice():
-    """Seed 0: SFT's own final evaluation 74.6% against GRPO's step 0 of the same weights, 73.8%: +0.8;
-    rule_ppo's step 0, 72.35%, against it: -1.45."""
-    assert lessons.FLOORS["tiny"][:2] == [pytest.approx(0.8, abs=1e-9), pytest.approx(-1.45, abs=1e-9)]
-    assert len(lessons.FLOORS["tiny"]) == 9 and len(lessons.FLOORS["smollm2"]) >= 3
+    """The 120-step PPO rows first: seed 0's SFT (one thread) evaluated 72.9% at its end and 73.1% at
+    rm_ppo_120's step 0: -0.2. Then the 40-step rows, seed 0: SFT's own final evaluation 74.6% against GRPO's
+    step 0 of the same weights, 73.8%: +0.8; rule_ppo's step 0, 72.35%, against it: -1.45."""
+    tiny = lessons.FLOORS["tiny"]
+    assert tiny[0] == pytest.approx(-0.2, abs=1e-9)
+    assert tiny[3:5] == [pytest.approx(0.8, abs=1e-9), pytest.approx(-1.45, abs=1e-9)]
+    assert len(tiny) == 12 and len(lessons.FLOORS["smollm2"]) >= 3
 
 
 def test_every_row_names_its_arms_and_what_differs():
@@ -64,7 +67,7 @@ def test_the_pages_quote_the_noise_floor_the_ledger_computes():
 
     tiny, smollm2 = (lessons.rms(lessons.FLOORS[name]) for name in ("tiny", "smollm2"))
     assert f"two evaluations of one model differ by {tiny:.2f} points, root mean square" in page("docs", "dpo.md")
-    assert f"below the {tiny:.2f} points by which two evaluations of one model differ" in page("docs", "mix.md")
+    assert f"near the {tiny:.2f} points by which two evaluations of one model differ" in page("docs", "mix.md")
     assert f"two evaluations of one model differ by {smollm2:.1f} points (root mean square" in page(
         "docs", "real_models.md")
 
@@ -90,3 +93,13 @@ def test_every_page_that_teaches_a_lesson_links_its_row():
             if f"[{row['id']}](" not in text:
                 missing.append(f"{row['id']} in {page}")
     assert not missing, "rows a page teaches without linking them: " + ", ".join(missing)
+
+
+def test_the_one_change_ppo_control_starts_where_its_row_does():
+    """rule_ppo_120 changes only the reward: its critic is copied from the same reward model, so no random
+    number is drawn before the step-0 evaluation, and both arms sample the very same answers there."""
+    rows = {m: {run["seed"]: run for run in lessons.SYLLABUS["results"][m]} for m in ("rm_ppo_120", "rule_ppo_120")}
+    for seed, run in rows["rm_ppo_120"].items():
+        same = ("step", "sampled", "greedy")  # (not its clock)
+        assert [rows["rule_ppo_120"][seed]["evals"][0][k] for k in same] == [run["evals"][0][k] for k in same]
+        assert rows["rule_ppo_120"][seed]["settings"]["reward_model"] == "rule"
