@@ -88,6 +88,19 @@ def z_gain(first: list[float], last: list[float]) -> float:
     return (statistics.mean(last) - statistics.mean(first)) / math.sqrt(var)
 
 
+def z_trend(values: list[float]) -> float:
+    """How many standard errors the least-squares slope of values against their step lies above 0: a learning
+    check that reads every step of a short run, not only its two ends (the ends of a 20-step run are 5 noisy
+    points each; the slope's standard error comes from the scatter around the line)."""
+    n = len(values)
+    steps = range(n)
+    mean_step, mean_value = (n - 1) / 2, statistics.fmean(values)
+    sxx = sum((t - mean_step) ** 2 for t in steps)
+    slope = sum((t - mean_step) * (v - mean_value) for t, v in zip(steps, values)) / sxx
+    residuals = [v - mean_value - slope * (t - mean_step) for t, v in zip(steps, values)]
+    return slope / math.sqrt(sum(r * r for r in residuals) / (n - 2) / sxx)
+
+
 def z_accuracy(before: float, after: float, n: int) -> float:
     """The same for two accuracies, each measured on n independent samples (binomial errors)."""
     var = (before * (1 - before) + after * (1 - after)) / n

@@ -658,3 +658,21 @@ def test_classic_rlhf_and_mix_pages_quote_the_committed_chain():
         zero = statistics.fmean(run["per_step"]["frac_reward_zero_std"])
         if name == "grpo":
             assert f"taught nothing, against {100 * zero:.0f}% from the full start" in mix_page
+
+
+def test_grpo_variants_table_is_the_committed_runs():
+    """docs/grpo.md's variants table is benchmarks/grpo_variants.py's table of the committed docs/grpo_variants.json,
+    and its grpo row is the quickstart's GRPO run (the same command from the same out/sft)."""
+    variants = load_benchmark("grpo_variants")
+    runs = json.loads(read("docs", "grpo_variants.json"))
+    assert variants.table(runs) in read("docs", "grpo.md")
+    chain = chain_runs()["python grpo.py"]
+    assert [e["sampled"] for e in runs["grpo"]["evals"]] == [100 * e["eval/accuracy_sampled"] for e in chain["evals"]]
+    final = {name: run["evals"][-1]["sampled"] for name, run in runs.items()}
+    page = " ".join(read("docs", "grpo.md").split())
+    assert f"the default's two seeds ended {abs(final['grpo'] - final['grpo_seed1']):.1f} points apart" in page
+    spread = max(abs(final[n] - final["grpo"]) for n in ("dapo", "dr_grpo", "batch_std"))
+    assert f"end within {spread:.2f} points of the default" in page
+    assert f"ended {final['grpo_2it'] - final['grpo']:.1f} points higher" in page
+    assert f"clipped {100 * runs['gspo_2it']['clip_fraction']:.0f}% of the tokens" in page
+    assert f"ended at {final['gspo_2it']:g}, {final['grpo_2it'] - final['gspo_2it']:.2f} points under" in page

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 import common
 import ppo
 import reward_model
-from conftest import ROOT, assert_same_update, read_metrics, run_main, z_accuracy, z_gain
+from conftest import ROOT, assert_same_update, read_metrics, run_main, z_accuracy, z_trend
 from floats import assert_close, forward_terms
 
 
@@ -46,8 +46,8 @@ def test_ppo_short_run_raises_the_score_and_moves_actor_and_critic(sft_checkpoin
         "--warmup_steps", "2", "--eval_steps", "100")
     rows = [row for row in read_metrics(out) if "score" in row]
     assert len(rows) == 20
-    first, last = [r["score"] for r in rows[:5]], [r["score"] for r in rows[-5:]]
-    assert z_gain(first, last) > 2, (first, last)  # up by more than twice the step-to-step noise
+    scores = [r["score"] for r in rows]
+    assert z_trend(scores) > 2, scores  # the score's trend over the 20 steps: up by more than twice its error
     for key in ("accuracy", "kl_sum", "loss/actor", "loss/critic", "clip_fraction/actor", "clip_fraction/critic",
                 "value_error", "entropy", "completion_length", "time/generation", "time/forward", "time/backward"):
         assert key in rows[0], key
