@@ -110,6 +110,7 @@ def test_reward_model_without_sft_checkpoint_says_what_to_run(tmp_path):
     assert "run `python sft.py` first" in str(stop.value.code)
 
 
+@pytest.mark.slow  # it needs the trained SFT and reward-model checkpoints: a minute of setup on a worker
 def test_value_model_starts_the_critic_and_changes_nothing_else(sft_checkpoint, rm_checkpoint):
     """--reward_model rule --value_model <rm>: no reward model (the checker scores), and the critic is the
     reward model's weights, as rm_ppo's critic starts; without --value_model the rule critic is a fresh head
