@@ -142,11 +142,15 @@ def run_chain(workdir):
     return results
 
 
+def percent(fraction: float) -> str:
+    """An accuracy as the pages quote it: 0.731 -> 73.1%, 0.9125 -> 91.25%."""
+    return f"{round(100 * fraction, 2):g}%"
+
+
 def chain_table(chain: dict) -> str:
     """docs/experiments.md's table of the chain: each run's steps, minutes on its own clock (time/elapsed) and
     held-out accuracy at its first and last evaluations (PPO's also at step 40)."""
     runs = {r["output_dir"].split("/")[-1]: r for r in chain["runs"]}
-    percent = lambda x: f"{round(100 * x, 2):g}%"  # noqa: E731
     lines = ["| run | steps | minutes | held-out sampled | held-out greedy |", "| --- | --- | --- | --- | --- |"]
     names = {"sft": "SFT", "ppo": "PPO", "grpo": "GRPO", "mix": "MIX", "dpo": "online DPO", "kto": "online KTO",
              "rft": "RFT"}
@@ -192,7 +196,6 @@ def chain_figure(chain: dict, path: str):
             "dpo": ("dpo_online_rule", "online DPO, the checker (64 prompts x 2)"),
             "kto": ("kto_online", "online KTO, the checker (64 prompts x 2)"), "rft": ("rft", "RFT (16 prompts x 8)")}
     what["ppo"] = (what["ppo"][0], what["ppo"][1] + f", after its reward model's {runs['rm']['wall_s']:.0f} s")
-    percent = lambda x: f"{round(100 * x, 2):g}%"  # noqa: E731  (73.1%, 91.25%)
     for name, (color, label) in what.items():
         evals = runs[name]["evals"]
         start = evals[0]["eval/accuracy_sampled"]
