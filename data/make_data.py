@@ -16,6 +16,9 @@ Two folders, as in a real RLHF pipeline where demonstrations and RL prompts are 
                       chosen is right, rejected a plausible mistake (see make_pair).
     data/expert.jsonl MIX's expert data (note 001): correct worked solutions, as a strong model
                       would write them, in the chat `messages` format (see expert_row).
+    data/tool_demos/  agent.py's SFT demonstrations: data/demos with a share (--tool_share) of its
+                      rows replaced by a transcript that calls the calculator, <calc>a op b</calc>
+                      <result>c</result> (see calculator_row); the other rows slip as before.
 
 The folders hold train.jsonl and a held-out test.jsonl on the same test problems; no problem
 appears in two of {demos train, arithmetic train, preference train, expert, test}.
@@ -112,6 +115,15 @@ def completion(reasoning: str, result) -> str:
     return f"<think>{reasoning}</think><answer>{result}</answer>"
 
 
+def calculator_row(a: int, op: str, b: int) -> dict:
+    """A demonstration in which the teacher calls the calculator instead of working the columns:
+    the call, the calculator's reply (the transcript holds it, as agent.py's rollout appends it),
+    and the result copied into the answer. The calculator does not slip, so neither does this row."""
+    result = a + b if op == "+" else a - b
+    return {"question": f"What is {a} {op} {b}?",
+            "answer": f"<calc>{a}{op}{b}</calc><result>{result}</result>\n#### {result}"}
+
+
 def expert_row(a: int, op: str, b: int) -> dict:
     """One expert demonstration in note 001's chat format: the user's question and the assistant's
     correct worked answer. There is no system message because the tiny model's prompts have none;
@@ -180,6 +192,8 @@ def main():
     p.add_argument("--n_pairs", type=int, default=3000, help="reward-model pairs (data/preference/train.jsonl)")
     p.add_argument("--n_expert", type=int, default=2000, help="MIX expert demonstrations (data/expert.jsonl)")
     p.add_argument("--n_test", type=int, default=500, help="held-out test problems (both folders' test.jsonl)")
+    p.add_argument("--tool_share", type=float, default=0.5,
+                   help="fraction of data/tool_demos rows in which the teacher calls the calculator")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)),
                    help="folder for demos/, arithmetic/, preference/ and expert.jsonl")
@@ -188,6 +202,8 @@ def main():
         p.error("--ops takes a non-empty mix of '+' and '-'")
     if not 0 <= args.careless <= 1:
         p.error("--careless is a fraction in [0, 1]")
+    if not 0 <= args.tool_share <= 1:
+        p.error("--tool_share is a fraction in [0, 1]")
 
     problems = all_problems(args.digits, args.ops)
     random.Random(args.seed).shuffle(problems)
@@ -199,9 +215,13 @@ def main():
 
     slips = random.Random(args.seed + 1)
     test_rows = [make_row(a, op, b) for a, op, b in test]
-    write_jsonl(os.path.join(args.out, "demos", "train.jsonl"),
-                [make_row(a, op, b, careless=slips.random() < args.careless) for a, op, b in demos])
+    demo_rows = [make_row(a, op, b, careless=slips.random() < args.careless) for a, op, b in demos]
+    write_jsonl(os.path.join(args.out, "demos", "train.jsonl"), demo_rows)
     write_jsonl(os.path.join(args.out, "demos", "test.jsonl"), test_rows)
+    calls = random.Random(args.seed + 3)  # its own draws: every other file is the same with or without it
+    write_jsonl(os.path.join(args.out, "tool_demos", "train.jsonl"), [
+        calculator_row(*abc) if calls.random() < args.tool_share else row for abc, row in zip(demos, demo_rows)])
+    write_jsonl(os.path.join(args.out, "tool_demos", "test.jsonl"), test_rows)
     write_jsonl(os.path.join(args.out, "arithmetic", "train.jsonl"), [make_row(a, op, b) for a, op, b in train])
     write_jsonl(os.path.join(args.out, "arithmetic", "test.jsonl"), test_rows)
 

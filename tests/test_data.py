@@ -85,9 +85,26 @@ def test_shipped_data_schema_splits_and_truth():
 def test_make_data_is_deterministic(tmp_path):
     subprocess.run([sys.executable, "data/make_data.py", "--out", str(tmp_path)], cwd=ROOT, check=True,
                    capture_output=True)
-    for name in ("demos/train.jsonl", "demos/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl"):
+    for name in ("demos/train.jsonl", "demos/test.jsonl", "arithmetic/train.jsonl", "arithmetic/test.jsonl",
+                 "tool_demos/train.jsonl", "tool_demos/test.jsonl"):
         with open(tmp_path / name) as a, open(os.path.join(ROOT, "data", name)) as b:
             assert a.read() == b.read(), name
+
+
+def test_tool_demos_are_the_demos_with_about_half_their_rows_calling_the_calculator():
+    """data/tool_demos: row for row the problems of data/demos; a row either is data/demos' own (its slips
+    kept) or calls the calculator, whose reply is the true result and is copied into the answer."""
+    demos, tools = common.load_split("data/demos", "train"), common.load_split("data/tool_demos", "train")
+    assert list(demos["question"]) == list(tools["question"])
+    calling = 0
+    for demo, row in zip(demos, tools):
+        if row["answer"] == demo["answer"]:
+            continue
+        calling += 1
+        a, op, b = parse(row["question"])
+        result = true_result(row["question"])
+        assert row["answer"] == f"<calc>{a}{op}{b}</calc><result>{result}</result>\n#### {result}"
+    assert 0.45 < calling / len(tools) < 0.55
 
 
 @pytest.mark.parametrize("a, op, b, column, reasoning, result", [

@@ -224,6 +224,30 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
     assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # a rollout prompt ends the same way
 
 
+def test_the_calculators_turn_on_the_real_tokenizer(policy, monkeypatch):
+    """On SmolLM2's BPE, where a tag is several tokens and a token may hold '>' and more: a scripted call
+    gets its reply, reply_mask covers exactly the reply's tokens, and the sampler's log-probs of the
+    policy's tokens (the reply prefilled into the KV cache) equal one forward pass over the episode."""
+    import agent
+    from floats import assert_close, forward_terms
+    from test_agent import scripted_policy
+
+    model, tokenizer = policy
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
+    ids, reply = episodes.completion_ids[0], episodes.reply_mask[0].bool()
+    assert tokenizer.decode(ids[reply]) == "<result>132</result>" and episodes.calls.tolist() == [1]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text.startswith("<think><calc>47+85</calc>") and common.is_correct(text, "#### 132")
+    input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)
+    attention_mask = torch.cat([episodes.prompt_mask, episodes.completion_mask], dim=1)
+    with torch.no_grad():
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, ids.shape[0])
+    policy_tokens = (episodes.completion_mask * (1 - episodes.reply_mask)).bool()
+    assert_close(episodes.sampler_logprobs[policy_tokens], logprobs[policy_tokens], terms=forward_terms(model.config),
+                 scale=logprobs[policy_tokens].abs().max().item())
+
+
 # The final evaluation only (none at step 0), of one problem, with one sampled answer where a policy is evaluated:
 # the untrained model writes --max_completion_length tokens at every answer, much of a run's time here.
 ONE_EVALUATION = ["--eval_steps", "100", "--num_eval_examples", "1", "--eval_on_start", "false"]
@@ -237,6 +261,7 @@ ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
                 "--advantage_estimator", "rloo"],  # RLOO here; the default estimator: benchmarks/smollm2.sh
     "mix.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--expert_data_ratio", "0.5",
                "--max_completion_length", "48"],  # room for an expert answer
+    "agent.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16"],
 }
 
 
@@ -259,7 +284,7 @@ def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path
     assert len(rows) == 2 and all(math.isfinite(row.get("loss", row.get("loss/actor", 0.0))) for row in rows)
     adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
     moved = any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
-    assert moved or script in ("grpo.py", "ppo.py"), script
+    assert moved or script in ("grpo.py", "ppo.py", "agent.py"), script
     with open(os.path.join(out, "adapter_config.json")) as f:
         assert os.path.abspath(json.load(f)["base_model_name_or_path"]) == os.path.abspath(model)
 

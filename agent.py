@@ -1,0 +1,370 @@
+"""Agentic GRPO: a policy that may call a calculator in the middle of its answer, trained by GRPO.
+
+The policy is an agent and the calculator its environment. While it writes, the policy may open a
+call, `<calc>47+85</calc>`; the rollout stops at the closing tag, the calculator answers, its reply
+`<result>132</result>` is appended to the completion, and the policy writes on. One completion is an
+episode of several turns:
+
+    <think><calc>47+85</calc><result>132</result></think><answer>132</answer><EOS>
+    ^^^^^^^^^^^^^^^^^^^^^^^^^                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^  the policy's actions
+                             ^^^^^^^^^^^^^^^^^^                                    the calculator's (reply_mask 1)
+
+The calculator's tokens are observations, as the prompt is: they are in the input of every later
+token, but the policy did not choose them, so they take no loss, no KL, no entropy and no importance
+ratio (step 5's mask). The reward is grpo.py's (the number, the format), minus --tool_call_cost per
+call; GRPO's advantage is one number per episode, given to every action token of every turn.
+
+    python sft.py --dataset data/tool_demos --output_dir out/sft_tool   # the teacher calls it in half its demos
+    python agent.py                                  # out/sft_tool -> out/agent
+    python agent.py --max_tool_calls 0               # every call refused: GRPO without the calculator
+    python agent.py --tool_call_cost 0.25            # a call costs a quarter point of reward
+
+One training step, grpo.py's five with two changes (marked in main()'s loop):
+  1. rollout with the calculator (generate_with_tools)  completion_ids, completion_mask, reply_mask  [B*G, T]
+  2. rewards: grpo.py's reward functions, and -tool_call_cost x calls   rewards  [B*G]
+  3. advantages: grpo.advantages_of                     advantages  [B*G]
+  4. reference log-probs (beta > 0), old log-probs (num_iterations > 1)
+  5. grpo.grpo_loss on the policy's tokens only: mask = completion_mask x (1 - reply_mask)
+
+Every GRPO setting of grpo.py works here (loss types, advantage estimators, clip ranges, LoRA,
+torchrun) except --dynamic_sampling. What is left out, and why: one tool (a second is one more
+branch in tool_reply); the rollout's speed-ups (rollout.generate's share_prompts is used for the
+prompts, but a CUDA GPU still runs this plain loop: the static cache replays one captured graph per
+token, and a reply prefilled in the middle of the loop would need a graph of every width);
+asynchronous rollouts, where episodes wait on slow tools while others run (verl, OpenRLHF), which
+an in-process calculator does not need; rewards per turn (the outcome is scored once, at the end).
+docs/agent.md explains the episode, the mask, credit over turns, and how TRL, verl and OpenRLHF
+lay out the same loop.
+"""
+import copy
+import re
+from dataclasses import dataclass
+
+import torch
+
+import common
+import distributed
+import grpo
+import harness
+import rollout
+from common import setting
+from data.make_data import problem_kind
+
+KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind
+
+
+@dataclass
+class Config(grpo.Config):
+    """grpo.py's settings, and the calculator's."""
+    max_tool_calls: int = setting(2, lambda v: v >= 0, "0 or more")
+    """calculator calls answered per completion; a call beyond them is answered 'error: no calls left'
+    (0: every call refused, GRPO without the calculator)"""
+    tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
+    """reward taken off per call (refused calls too): the price of asking"""
+    model: str = "out/sft_tool"
+    output_dir: str = "out/agent"
+
+    def check_together(self):
+        super().check_together()
+        if self.dynamic_sampling:
+            common.fail("agent.py does not implement --dynamic_sampling (grpo.py does): leave it out")
+
+
+# ---------------------------------------------------------------------------------------------
+# The environment: a calculator that parses `integer op integer` and nothing else
+# ---------------------------------------------------------------------------------------------
+CALL = re.compile(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*")
+MAX_DIGITS = 12  # operands longer than this are refused: no huge numbers, no long replies
+
+
+def calculator(call: str) -> str:
+    """The reply to the text between <calc> and </calc>: the value of `a op b` for integers a, b of at
+    most MAX_DIGITS digits and op one of + - *, else an error string. It never raises and never
+    evaluates anything else: '62+94' -> '156', '2**10' -> 'error: ...'."""
+    match = CALL.fullmatch(call)
+    if match is None:
+        return "error: write integer op integer, e.g. 62+94"
+    a, op, b = match.groups()
+    if max(len(a.lstrip("-")), len(b.lstrip("-"))) > MAX_DIGITS:
+        return f"error: numbers of at most {MAX_DIGITS} digits"
+    a, b = int(a), int(b)
+    return str(a + b if op == "+" else a - b if op == "-" else a * b)
+
+
+def tool_reply(text: str, calls_made: int, max_tool_calls: int) -> str | None:
+    """The calculator's turn after the policy's text so far: None if no call waits for a reply (every
+    </calc> in the text has one), else '<result>...</result>' for the last call, the text between
+    the last <calc> and the last </calc>; a call beyond max_tool_calls gets an error."""
+    if text.count("</calc>") <= calls_made:
+        return None
+    if calls_made >= max_tool_calls:
+        return "<result>error: no calls left</result>"
+    call = text[: text.rfind("</calc>")].rpartition("<calc>")
+    return f"<result>{calculator(call[2]) if call[1] else 'error: no <calc> before </calc>'}</result>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 1: the rollout, with the calculator's turns prefilled into the KV cache
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Episodes:
+    """N episodes, laid out as rollout.generate's batch [left-padded prompt | right-padded completion],
+    the completion holding the policy's tokens and the calculator's, in the order written."""
+    prompt_ids: torch.Tensor  # [N, P]
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, T]
+    completion_mask: torch.Tensor  # [N, T]: 1 on every written token, the EOS included
+    reply_mask: torch.Tensor  # [N, T]: 1 on the calculator's tokens
+    sampler_logprobs: torch.Tensor  # [N, T]: log-prob of each policy token when it was sampled; 0 elsewhere
+    calls: torch.Tensor  # [N]: calls made, refused ones included
+
+
+@rollout.timed("generation")
+@torch.no_grad()
+def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
+                        temperature: float = 1.0, greedy: bool = False) -> Episodes:
+    """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
+    the environment's turn inside it. After each step, a row whose text closes a call (tool_reply) gets
+    the reply's tokens. They go into the cache with the row's sampled token, one forward pass of width
+    1 + the longest reply: a short prefill. Rows that call and rows that do not stay in one batch; a row
+    that does not call pads the extra columns, masked out of attention (holes in the cache that its
+    position ids skip). So each row's completion is contiguous, and the log-prob pass over
+    [prompt | completion] sees the positions the sampler saw. The token budget counts the calculator's
+    tokens: a reply is cut at max_new_tokens, and a call closed on the last token gets none."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    N = len(prompts)
+    completion_ids = torch.full((N, max_new_tokens), tokenizer.pad_token_id, device=device)  # [N, max_new_tokens]
+    reply_mask = torch.zeros_like(completion_ids)
+    sampler_logprobs = torch.zeros(N, max_new_tokens, device=device)
+    lengths = torch.zeros(N, dtype=torch.long, device=device)  # tokens written per row, the calculator's included
+    calls = [0] * N
+    may_close = torch.tensor(['>' in token for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))],
+                             device=device)  # [V]: tokens that may end '</calc>' (only then is the text decoded)
+    was_training = model.training
+    model.eval()
+    with distributed.gathered(model), rollout.autocast(model):
+        cache, logits = rollout.rows_of(rollout.distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
+        rows = torch.arange(N, device=device)  # the rows still writing: [b]
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, columns of the cache], [b]
+        while True:
+            # the policy's turn: one token per row
+            scaled = logits[:, -1].float() / (1.0 if greedy else temperature)  # [b, V]
+            next_tokens = rollout.next_token(logits[:, -1].float(), temperature, greedy)  # [b]
+            sampler_logprobs[rows, lengths[rows]] = scaled.log_softmax(-1).gather(1, next_tokens[:, None]).squeeze(1)
+            completion_ids[rows, lengths[rows]] = next_tokens
+            lengths[rows] += 1
+            finished = (next_tokens == tokenizer.eos_token_id) | (lengths[rows] >= max_new_tokens)  # [b]
+            # the calculator's turn: rows whose text now closes a call get the reply's tokens
+            replies = [[] for _ in rows]
+            for i, row in enumerate(rows.tolist()):
+                if finished[i] or not may_close[next_tokens[i]]:
+                    continue
+                reply = tool_reply(tokenizer.decode(completion_ids[row, : lengths[row]]), calls[row], max_tool_calls)
+                if reply is not None:
+                    calls[row] += 1
+                    room = max_new_tokens - int(lengths[row])  # the budget counts the calculator's tokens
+                    replies[i] = tokenizer(reply, add_special_tokens=False)["input_ids"][:room]
+                    span = slice(int(lengths[row]), int(lengths[row]) + len(replies[i]))
+                    completion_ids[row, span], reply_mask[row, span] = torch.tensor(replies[i], device=device), 1
+                    lengths[row] += len(replies[i])
+                    finished[i] = lengths[row] >= max_new_tokens
+            if finished.all():
+                break
+            if finished.any():  # finished rows leave the batch, and the cache
+                writing = ~finished
+                rows, next_tokens, positions, attention_mask = (rows[writing], next_tokens[writing],
+                                                                positions[writing], attention_mask[writing])
+                replies = [reply for reply, keep in zip(replies, writing.tolist()) if keep]
+                cache.batch_select_indices(writing.nonzero().squeeze(1))
+            # the next forward pass: each row's sampled token, then its reply if it called; padding masked
+            width = 1 + max(len(reply) for reply in replies)
+            new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, device=device)  # [b, width]
+            new_mask = torch.zeros_like(new_ids)
+            new_ids[:, 0], new_mask[:, 0] = next_tokens, 1
+            for i, reply in enumerate(replies):
+                new_ids[i, 1 : 1 + len(reply)], new_mask[i, 1 : 1 + len(reply)] = torch.tensor(reply), 1
+            attention_mask = torch.cat([attention_mask, new_mask], dim=1)
+            new_positions = positions[:, None] + new_mask.cumsum(dim=1)  # real tokens count; padding repeats one
+            logits = model(input_ids=new_ids, attention_mask=attention_mask, position_ids=new_positions,
+                           **{rollout.CACHE: cache}, use_cache=True).logits  # [b, width, V]
+            last = new_mask.sum(dim=1) - 1  # [b]: each row's last real column
+            logits = logits[torch.arange(len(rows), device=device), last][:, None]  # [b, 1, V]
+            positions = positions + new_mask.sum(dim=1)
+    model.train(was_training)
+    T = int(lengths.max())
+    completion_mask = (torch.arange(T, device=device) < lengths[:, None]).long()  # [N, T]
+    return Episodes(prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask, reply_mask[:, :T],
+                    sampler_logprobs[:, :T], torch.tensor(calls, device=device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 2: the rewards, and what the run measures of the calls
+# ---------------------------------------------------------------------------------------------
+def tool_cost_reward(calls: torch.Tensor, cost: float) -> torch.Tensor:
+    """-cost x calls of each completion: calls [N] -> [N]. With cost 0 the calculator is free."""
+    return -cost * calls.float()
+
+
+def kind_of(question: str) -> str | None:
+    """data/make_data.py's kind of an arithmetic question ('What is 47 + 85?' -> 'carry'), None for
+    any other question (a hub dataset's)."""
+    match = re.fullmatch(r"What is (\d+) ([-+]) (\d+)\?", question)
+    return problem_kind(int(match[1]), match[2], int(match[3])) if match else None
+
+
+def call_rates(questions: list[str], calls: torch.Tensor) -> dict:
+    """The share of completions with at least one call, over all and per kind of problem:
+    {'call_rate': .., 'call_rate/carry': .., ...} (a kind with no question this time is left out)."""
+    called = (calls > 0).float().tolist()
+    rates = {"call_rate": sum(called) / len(called)}
+    for kind in KINDS:
+        of_kind = [c for c, question in zip(called, questions) if kind_of(question) == kind]
+        if of_kind:
+            rates[f"call_rate/{kind}"] = sum(of_kind) / len(of_kind)
+    return rates
+
+
+def evaluate_with_tools(model, tokenizer, dataset, cfg) -> dict:
+    """Held-out accuracy with the calculator (common.evaluate's greedy and sampled, each sampled
+    completion with its own calls), and the sampled completions' call rates (call_rates; under torchrun
+    the accuracies count every process's problems, the call rates this process's)."""
+    model.eval()
+    dataset = distributed.process_share(dataset)
+    correct_greedy = correct_sampled = 0
+    questions, calls = [], []
+    rows_per_batch = max(1, cfg.per_device_eval_batch_size // cfg.eval_samples_per_problem)
+    for start in range(0, len(dataset), rows_per_batch):
+        batch = dataset[start : start + rows_per_batch]
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in batch["question"]]
+        for greedy, repeat in ((True, 1), (False, cfg.eval_samples_per_problem)):
+            episodes = generate_with_tools(model, tokenizer, [p for p in prompts for _ in range(repeat)],
+                                           cfg.max_completion_length, cfg.max_tool_calls, 1.0, greedy)
+            texts = tokenizer.batch_decode(episodes.completion_ids, skip_special_tokens=True)
+            correct = sum(common.is_correct(text, answer)
+                          for text, answer in zip(texts, [a for a in batch["answer"] for _ in range(repeat)]))
+            if greedy:
+                correct_greedy += correct
+            else:
+                correct_sampled += correct
+                questions += [q for q in batch["question"] for _ in range(repeat)]
+                calls.append(episodes.calls.cpu())
+    model.train()
+    n = int(common.global_sum(float(len(dataset))))
+    correct_greedy, correct_sampled = (int(common.global_sum(float(x))) for x in (correct_greedy, correct_sampled))
+    return {"accuracy_greedy": correct_greedy / n,
+            "accuracy_sampled": correct_sampled / (n * cfg.eval_samples_per_problem),
+            **call_rates(questions, torch.cat(calls)), "n": n}
+
+
+# ---------------------------------------------------------------------------------------------
+# Training loop: grpo.py's, with the calculator in step 1 and the mask in step 5
+# ---------------------------------------------------------------------------------------------
+def main(cfg: Config):
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})
+    G = cfg.num_generations
+    num_prompts = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G  # B
+
+    train_data, test_data, model, tokenizer, longest = common.load_policy_and_prompts(cfg, per_step=num_prompts)
+    model = run.prepare(model)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    run.shard(model, ref_model)
+    run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
+                   sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
+                                              cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)
+
+    for step in run.steps([model], [optimizer], [scheduler], lambda: evaluate_with_tools(model, tokenizer, test_data,
+                                                                                          cfg)):
+        step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]
+        # 1. Rollout with the calculator: G episodes of each of B prompts, groups contiguous.
+        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
+        episodes = generate_with_tools(model, tokenizer, prompts, cfg.max_completion_length, cfg.max_tool_calls,
+                                       cfg.temperature)
+        completions = tokenizer.batch_decode(episodes.completion_ids, skip_special_tokens=True)
+        # 2. Rewards: grpo.py's reward functions, minus the price of the calls.
+        columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
+        rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in grpo.REWARD_FUNCS]).T  # [B*G, F]
+        rewards = rewards_per_func.sum(dim=1) + tool_cost_reward(episodes.calls.cpu(), cfg.tool_call_cost)  # [B*G]
+
+        # 3. Group-relative advantages.
+        advantages = grpo.advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)
+        # The tokens that carry loss: the policy's own, not the calculator's.
+        policy_mask = episodes.completion_mask * (1 - episodes.reply_mask)  # [B*G, T]
+        if cfg.mask_truncated_completions:
+            policy_mask = grpo.drop_truncated(episodes.completion_ids, policy_mask, tokenizer.eos_token_id)
+
+        # 4. Inference passes: the reference policy, and pi_old if it will differ from pi.
+        input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)  # [B*G, P+T]
+        attention_mask = torch.cat([episodes.prompt_mask, episodes.completion_mask], dim=1)  # [B*G, P+T]
+        T = episodes.completion_ids.shape[1]
+        micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)
+        ref_logprobs = old_logprobs = None
+        if cfg.beta > 0:
+            with common.reference_model(model, ref_model) as reference:
+                ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
+                                                 cfg.temperature, micro_batches=micro_batches)
+        if cfg.num_iterations > 1:
+            old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
+                                             cfg.temperature, micro_batches=micro_batches)
+
+        # 5. Gradient steps on GRPO's loss over the policy's tokens (policy_mask: no loss, KL, ratio on the tool's).
+        for _ in range(cfg.num_iterations):
+            optimizer.zero_grad(set_to_none=True)
+            loss = 0.0
+            logprobs, entropy = (torch.zeros_like(policy_mask, dtype=torch.float) for _ in range(2))  # [B*G, T]
+            for rows in micro_batches:
+                micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+                micro_loss = grpo.grpo_loss(micro_logprobs, grpo.rows_or_none(old_logprobs, rows),
+                                            grpo.rows_or_none(ref_logprobs, rows), advantages[rows], policy_mask[rows],
+                                            cfg.epsilon, cfg.beta, cfg.loss_type, step_mask=policy_mask,
+                                            epsilon_high=cfg.epsilon_high,
+                                            importance_sampling_level=cfg.importance_sampling_level,
+                                            max_completion_length=cfg.max_completion_length)
+                micro_loss.backward()
+                loss = loss + micro_loss.detach()
+                logprobs[rows] = micro_logprobs.detach()
+            grad_norm = run.clip_gradients(model, loss)
+            optimizer.step()
+            scheduler.step()
+
+        run.end_step(*step_log(step_data["question"], completions, episodes, rewards_per_func, rewards, advantages,
+                               logprobs, old_logprobs, ref_logprobs, entropy, policy_mask, loss, grad_norm, scheduler,
+                               cfg))
+
+    run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
+                                        "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
+                                        "share of episodes that call": ["call_rate",
+                                                                        *(f"call_rate/{k}" for k in KINDS)],
+                                        "completion length": ["completion_length", "reply_tokens"]},
+               "GRPO with a calculator")
+    return model
+
+
+def step_log(questions, completions, episodes, rewards_per_func, rewards, advantages, logprobs, old_logprobs,
+             ref_logprobs, entropy, policy_mask, loss, grad_norm, scheduler, cfg) -> tuple[dict, dict]:
+    """run.end_step's two arguments: the step's metrics (grpo.py's, over the policy's tokens, with the
+    reward after the calls' cost; the calls and their rates by kind; the calculator's tokens per completion)
+    and completions.jsonl's columns."""
+    G = cfg.num_generations
+    metrics = {"loss": loss.item(),
+               **grpo.step_metrics(rewards_per_func, policy_mask, logprobs,
+                                   logprobs if old_logprobs is None else old_logprobs, ref_logprobs, advantages, cfg,
+                                   entropy),
+               "reward": rewards.mean().item(), "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),
+               "frac_reward_zero_std": (rewards.view(-1, G).std(dim=1) == 0).float().mean().item(),
+               "completion_length": episodes.completion_mask.sum(dim=1).float().mean().item(),
+               "reply_tokens": episodes.reply_mask.sum(dim=1).float().mean().item(),
+               "calls": episodes.calls.float().mean().item(),
+               **call_rates([q for q in questions for _ in range(G)], episodes.calls),
+               "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]}
+    logged = {"prompt": [q for q in questions for _ in range(G)], "completion": completions,
+              "advantage": advantages.tolist(), "calls": episodes.calls.tolist(), "reward": rewards.tolist()}
+    return metrics, logged
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config))

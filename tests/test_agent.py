@@ -1,0 +1,216 @@
+"""agent.py: the calculator and its refusals, the rollout with the calculator's turns (the prefill,
+the budget, the mask), the loss that leaves the calculator's tokens out, and a run."""
+import random
+import re
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import agent
+import common
+import grpo
+import rollout
+from conftest import read_metrics, run, run_main
+from floats import assert_close, forward_terms
+
+
+# --- the calculator ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call, reply", [
+    ("62+94", "156"), ("47-85", "-38"), (" 12 * 3 ", "36"), ("-5-7", "-12"), ("999999999999+1", "1000000000000"),
+    ("2**10", "error: write integer op integer, e.g. 62+94"), ("1+2+3", "error: write integer op integer, e.g. 62+94"),
+    ("7/2", "error: write integer op integer, e.g. 62+94"), ("", "error: write integer op integer, e.g. 62+94"),
+    ("__import__('os')", "error: write integer op integer, e.g. 62+94"),
+    ("1.5+2", "error: write integer op integer, e.g. 62+94"),
+    ("1234567890123+1", "error: numbers of at most 12 digits"),
+    ("9" * 5000 + "*9", "error: numbers of at most 12 digits"),
+])
+def test_calculator_answers_integer_op_integer_and_refuses_the_rest_in_words(call, reply):
+    assert agent.calculator(call) == reply
+
+
+def test_calculator_never_raises_on_junk():
+    rng = random.Random(0)
+    alphabet = "0123456789+-*/()<>. eE_x"
+    for _ in range(2000):
+        reply = agent.calculator("".join(rng.choice(alphabet) for _ in range(rng.randrange(12))))
+        assert isinstance(reply, str) and (reply.startswith("error:") or reply.lstrip("-").isdigit())
+
+
+@pytest.mark.parametrize("text, made, limit, reply", [
+    ("<think>4+8=12", 0, 2, None),  # no call
+    ("<think><calc>47+85</calc>", 0, 2, "<result>132</result>"),
+    ("<calc>1+1</calc><result>2</result> then <calc>2*21</calc>", 1, 2, "<result>42</result>"),  # the last call
+    ("<calc>1+1</calc><result>2</result> then <calc>2*21</calc>", 1, 1, "<result>error: no calls left</result>"),
+    ("<calc>1+1</calc><result>2</result>", 1, 2, None),  # answered already
+    ("<think>47+85</calc>", 0, 2, "<result>error: no <calc> before </calc></result>"),
+    ("<calc>1+</calc>", 0, 0, "<result>error: no calls left</result>"),  # --max_tool_calls 0: every call refused
+])
+def test_tool_reply_answers_each_closed_call_once(text, made, limit, reply):
+    assert agent.tool_reply(text, made, limit) == reply
+
+
+# --- the rollout with the calculator ------------------------------------------------------------------------------
+def scripted_policy(monkeypatch, tokenizer, scripts: list[str]):
+    """Replace the sampler by a script: at its k-th step, row i of the batch writes the k-th token of scripts[i]
+    then EOS (the scripts the same length in tokens, so every row finishes at the same step and the rows stay in
+    order). The model still computes the logits, so the sampler's log-probs are its log-probs of the scripted
+    tokens."""
+    ids = [tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for script in scripts]
+    assert len({len(row) for row in ids}) == 1, [len(row) for row in ids]
+    step = iter(range(len(ids[0])))
+
+    def next_token(logits, temperature, greedy):
+        k = next(step)
+        return torch.tensor([row[k] for row in ids[: len(logits)]])
+
+    monkeypatch.setattr(rollout, "next_token", next_token)
+
+
+def pad_to(text: str, tokens: int, tokenizer) -> str:
+    """text with 'x's inserted before </think> so that it is `tokens` tokens long."""
+    missing = tokens - len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text.replace("</think>", "x" * missing + "</think>")
+
+
+def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(saved_tiny, monkeypatch):
+    """Three rows in one batch: one that calls once, one that never calls, one that calls three times with
+    --max_tool_calls 2. Each completion reads as the episode (the replies in place), reply_mask is 1 on the
+    replies' tokens and nowhere else, and the sampler's log-probs of the policy's tokens, computed with the
+    replies prefilled into the KV cache next to rows that did not call, equal the log-prob pass's over the
+    finished [prompt | completion] (one forward pass, no cache, no holes)."""
+    path, tokenizer, _ = saved_tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    scripts = ["<think><calc>47+85</calc></think><answer>132</answer>", "<think>7+5=12</think><answer>12</answer>",
+               "<think><calc>1+1</calc><calc>2*21</calc><calc>3-4</calc></think><answer>42</answer>"]
+    width = max(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in scripts)
+    scripts = [pad_to(s, width, tokenizer) for s in scripts]
+    scripted_policy(monkeypatch, tokenizer, scripts)
+    prompts = [common.make_prompt(tokenizer, q) for q in ("What is 47 + 85?", "What is 7 + 5?", "What is 1 + 1?")]
+    episodes = agent.generate_with_tools(model, tokenizer, prompts, 200, max_tool_calls=2)
+
+    texts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(episodes.completion_ids, episodes.completion_mask)]
+    expected = [scripts[0].replace("</calc>", "</calc><result>132</result>", 1), scripts[1],
+                scripts[2].replace("2*21</calc>", "2*21</calc><result>42</result>")
+                .replace("1+1</calc>", "1+1</calc><result>2</result>")
+                .replace("3-4</calc>", "3-4</calc><result>error: no calls left</result>")]
+    assert texts == [t + tokenizer.eos_token for t in expected]
+    assert episodes.calls.tolist() == [1, 0, 3]
+    for ids, tool, text in zip(episodes.completion_ids, episodes.reply_mask, expected):
+        assert tokenizer.decode(ids[tool.bool()]) == "".join(re.findall(r"<result>.*?</result>", text))
+    assert episodes.reply_mask[1].sum() == 0
+    assert (episodes.reply_mask <= episodes.completion_mask).all()
+
+    input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)
+    attention_mask = torch.cat([episodes.prompt_mask, episodes.completion_mask], dim=1)
+    with torch.no_grad():
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, episodes.completion_ids.shape[1])
+    policy = (episodes.completion_mask * (1 - episodes.reply_mask)).bool()
+    assert_close(episodes.sampler_logprobs[policy], logprobs[policy], terms=forward_terms(model.config),
+                 scale=logprobs[policy].abs().max().item())
+    assert (episodes.sampler_logprobs[~policy] == 0).all()
+
+
+@pytest.mark.parametrize("script, budget, text, calls", [
+    # a call left open at the token limit: no reply, the completion stops there
+    ("<think><calc>47+85+1+2+3+4", 12, "<think><calc>47+85", 0),
+    # a call closed on the last token of the budget: no room for a reply
+    ("<think><calc>4+5</calc>", 17, "<think><calc>4+5</calc>", 0),
+    # a reply cut where the budget ends: the calculator's tokens count
+    ("<think><calc>4+5</calc>", 23, "<think><calc>4+5</calc><resul", 1),
+])
+def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch, script, budget, text, calls):
+    path, tokenizer, _ = saved_tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40])
+    episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], budget,
+                                         max_tool_calls=2)
+    assert episodes.completion_ids.shape[1] == budget == int(episodes.completion_mask.sum())
+    assert tokenizer.decode(episodes.completion_ids[0]) == text
+    assert episodes.calls.tolist() == [calls]
+    assert int(episodes.reply_mask.sum()) == (len(tokenizer("<resul")["input_ids"]) if calls else 0)
+
+
+# --- the mask: the calculator's tokens take no loss, KL, entropy or ratio -----------------------------------------
+def test_the_loss_and_its_gradient_ignore_the_calculators_tokens():
+    """The loss as a function of the per-token log-probs (pi, pi_old, pi_ref) with policy_mask: whatever
+    the values at the calculator's positions (what a changed tool token would change there), the loss and
+    its gradient are the same, and the gradient there is exactly 0. (A tool token also enters the input of
+    every later token, as a prompt does: that is the observation the policy acts on, not an action.)"""
+    torch.manual_seed(0)
+    N, T = 4, 10
+    completion_mask = torch.ones(N, T, dtype=torch.long)
+    completion_mask[1, 7:] = 0
+    reply_mask = torch.zeros(N, T, dtype=torch.long)
+    reply_mask[0, 3:6] = reply_mask[2, 1:4] = 1
+    policy_mask = completion_mask * (1 - reply_mask)
+    advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])
+    old, ref = torch.randn(N, T) - 2, torch.randn(N, T) - 2
+    for loss_type in ("grpo", "dapo", "dr_grpo", "bnpo"):
+        losses, grads = [], []
+        for seed in (1, 2):
+            noise = torch.Generator().manual_seed(seed)
+            change = lambda x: torch.where(reply_mask.bool(), torch.randn(N, T, generator=noise) * 5, x)  # noqa: E731
+            logprobs = change(old + 0.1 * torch.randn(N, T, generator=torch.Generator().manual_seed(0)))
+            logprobs.requires_grad_(True)
+            loss = grpo.grpo_loss(logprobs, change(old), change(ref), advantages, policy_mask, 0.2, 0.04, loss_type,
+                                  max_completion_length=T)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(logprobs.grad)
+        assert losses[0] == losses[1] and torch.equal(grads[0], grads[1]), loss_type
+        assert (grads[0][reply_mask.bool()] == 0).all() and (grads[0][policy_mask.bool()] != 0).all()
+
+
+def test_no_gradient_reaches_the_logits_that_predict_the_calculators_tokens(saved_tiny, monkeypatch):
+    """Through the model: the loss's gradient on the logits at each position that predicts a calculator's
+    token is exactly 0, and not at the positions that predict the policy's."""
+    path, tokenizer, _ = saved_tiny
+    model = AutoModelForCausalLM.from_pretrained(path)
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
+    T = episodes.completion_ids.shape[1]
+    input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)
+    logits = model(input_ids=input_ids).logits
+    logits.retain_grad()
+    logprobs = rollout.gather_logprobs(logits[:, -T - 1 : -1], episodes.completion_ids)  # [1, T]
+    policy_mask = episodes.completion_mask * (1 - episodes.reply_mask)
+    grpo.grpo_loss(logprobs, None, logprobs.detach() - 0.1, torch.tensor([1.0]), policy_mask, 0.2, 0.04).backward()
+    grad = logits.grad[0, -T - 1 : -1].abs().sum(dim=-1)  # [T]: at the position predicting each completion token
+    assert (grad[episodes.reply_mask[0].bool()] == 0).all() and (grad[policy_mask[0].bool()] > 0).all()
+
+
+# --- the script ---------------------------------------------------------------------------------------------------
+SHORT = ["--max_steps", "2", "--eval_steps", "2", "--num_eval_examples", "8", "--per_device_train_batch_size", "16",
+         "--num_generations", "4", "--warmup_steps", "1", "--eval_samples_per_problem", "2"]
+
+
+def test_call_rates_by_kind():
+    questions = ["What is 47 + 85?", "What is 41 + 15?", "What is 12 - 30?", "What is 47 + 85?"]
+    rates = agent.call_rates(questions, torch.tensor([1, 0, 2, 0]))
+    assert rates == {"call_rate": 0.5, "call_rate/carry": 0.5, "call_rate/no carry": 0.0, "call_rate/negative": 1.0}
+    assert agent.kind_of("Natalia sold clips to 48 of her friends") is None
+
+
+def test_dynamic_sampling_is_refused_in_one_sentence():
+    result = run("agent.py", "--dynamic_sampling", "true", check=False)
+    assert result.returncode != 0 and "agent.py does not implement --dynamic_sampling" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_run_logs_the_calls_and_the_policys_tokens_only(sft_checkpoint, tmp_path):
+    out = str(tmp_path / "agent")
+    run_main("agent.py", "--model", sft_checkpoint, "--output_dir", out, *SHORT)
+    rows = read_metrics(out)
+    steps = [row for row in rows if "loss" in row]
+    assert len(steps) == 2 and all("call_rate" in row and "reply_tokens" in row for row in steps)
+    assert "eval/call_rate" in rows[-1] and "eval/accuracy_greedy" in rows[-1]
+
+
+def test_the_calculators_settings_are_checked_where_they_are_declared():
+    import checks
+    for name in ("max_tool_calls", "tool_call_cost"):
+        assert checks.declared_check(agent.Config, name)
+    with pytest.raises(SystemExit, match="--max_tool_calls must be 0 or more"):
+        checks.check_settings(agent.Config(max_tool_calls=-1))
