@@ -145,6 +145,7 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
     was_training = model.training
     model.eval()
     with distributed.gathered(model), rollout.autocast(model):
+        # Speed: each distinct prompt run once, its rows sharing its keys and values (rollout.generate's share_prompts)
         cache, logits = rollout.rows_of(rollout.distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
         rows = torch.arange(N, device=device)  # the rows still writing: [b]
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, columns of the cache], [b]
@@ -172,7 +173,7 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
                     finished[i] = lengths[row] >= max_new_tokens
             if finished.all():
                 break
-            if finished.any():  # finished rows leave the batch, and the cache
+            if finished.any():  # Speed: finished rows leave the batch and the cache (rollout.generate's drop_finished)
                 writing = ~finished
                 rows, next_tokens, positions, attention_mask = (rows[writing], next_tokens[writing],
                                                                 positions[writing], attention_mask[writing])
@@ -197,6 +198,10 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
     completion_mask = (torch.arange(T, device=device) < lengths[:, None]).long()  # [N, T]
     return Episodes(prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask, reply_mask[:, :T],
                     sampler_logprobs[:, :T], torch.tensor(calls, device=device))
+
+
+PLAIN_LOOP = ("agent.py samples with the plain KV-cache loop, not rollout.py's CUDA-graph static cache: that cache "
+              "replays one captured graph per token, and the calculator's reply is a prefill of varying width")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,6 +277,8 @@ def main(cfg: Config):
     run.shard(model, ref_model)
     run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
                    sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
+    if run.device.type == "cuda":  # say why the rollout is not rollout.py's faster one there
+        distributed.log(PLAIN_LOOP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
                                               cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)

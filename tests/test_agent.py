@@ -52,39 +52,34 @@ def test_tool_reply_answers_each_closed_call_once(text, made, limit, reply):
 
 # --- the rollout with the calculator ------------------------------------------------------------------------------
 def scripted_policy(monkeypatch, tokenizer, scripts: list[str]):
-    """Replace the sampler by a script: at its k-th step, row i of the batch writes the k-th token of scripts[i]
-    then EOS (the scripts the same length in tokens, so every row finishes at the same step and the rows stay in
-    order). The model still computes the logits, so the sampler's log-probs are its log-probs of the scripted
-    tokens."""
+    """Replace the sampler by a script: at its k-th step each row still writing writes the k-th token of its
+    script, then EOS. A row whose script has ended has left the batch (the rows keep their order), so the
+    rows the sampler sees at step k are those whose script is longer than k. The model still computes the
+    logits, so the sampler's log-probs are its log-probs of the scripted tokens."""
     ids = [tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for script in scripts]
-    assert len({len(row) for row in ids}) == 1, [len(row) for row in ids]
-    step = iter(range(len(ids[0])))
+    step = iter(range(max(len(row) for row in ids)))
 
     def next_token(logits, temperature, greedy):
         k = next(step)
-        return torch.tensor([row[k] for row in ids[: len(logits)]])
+        writing = [row for row in ids if len(row) > k]
+        assert len(writing) == len(logits)
+        return torch.tensor([row[k] for row in writing])
 
     monkeypatch.setattr(rollout, "next_token", next_token)
 
 
-def pad_to(text: str, tokens: int, tokenizer) -> str:
-    """text with 'x's inserted before </think> so that it is `tokens` tokens long."""
-    missing = tokens - len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return text.replace("</think>", "x" * missing + "</think>")
-
-
 def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(saved_tiny, monkeypatch):
-    """Three rows in one batch: one that calls once, one that never calls, one that calls three times with
-    --max_tool_calls 2. Each completion reads as the episode (the replies in place), reply_mask is 1 on the
-    replies' tokens and nowhere else, and the sampler's log-probs of the policy's tokens, computed with the
-    replies prefilled into the KV cache next to rows that did not call, equal the log-prob pass's over the
-    finished [prompt | completion] (one forward pass, no cache, no holes)."""
+    """Three rows in one batch: one that calls once, one that never calls (and finishes first, leaving the
+    batch and the cache), one that calls three times with --max_tool_calls 2. Each completion reads as the
+    episode (the replies in place), reply_mask is 1 on the replies' tokens and nowhere else, and the
+    sampler's log-probs of the policy's tokens, computed with the replies prefilled into the KV cache next
+    to rows that did not call, equal the plain log-prob pass's over the finished [prompt | completion] (one
+    forward pass, no cache, no holes): the speed-ups of the loop (each prompt run once, finished rows
+    leaving the batch) and its prefill change no number beyond float rounding."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     scripts = ["<think><calc>47+85</calc></think><answer>132</answer>", "<think>7+5=12</think><answer>12</answer>",
                "<think><calc>1+1</calc><calc>2*21</calc><calc>3-4</calc></think><answer>42</answer>"]
-    width = max(len(tokenizer(s, add_special_tokens=False)["input_ids"]) for s in scripts)
-    scripts = [pad_to(s, width, tokenizer) for s in scripts]
     scripted_policy(monkeypatch, tokenizer, scripts)
     prompts = [common.make_prompt(tokenizer, q) for q in ("What is 47 + 85?", "What is 7 + 5?", "What is 1 + 1?")]
     episodes = agent.generate_with_tools(model, tokenizer, prompts, 200, max_tool_calls=2)
@@ -122,7 +117,7 @@ def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(sav
 def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch, script, budget, text, calls):
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40])
+    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40])  # longer than the budget
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], budget,
                                          max_tool_calls=2)
     assert episodes.completion_ids.shape[1] == budget == int(episodes.completion_mask.sum())

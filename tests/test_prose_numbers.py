@@ -676,3 +676,12 @@ def test_grpo_variants_table_is_the_committed_runs():
     assert f"ended {final['grpo_2it'] - final['grpo']:.1f} points higher" in page
     assert f"clipped {100 * runs['gspo_2it']['clip_fraction']:.0f}% of the tokens" in page
     assert f"ended at {final['gspo_2it']:g}, {final['grpo_2it'] - final['gspo_2it']:.2f} points under" in page
+
+
+def test_agent_page_tables_are_the_committed_runs():
+    """docs/agent.md's tables are what benchmarks/agent_runs.py prints from the committed docs/agent_runs.json
+    (3 seeds, the three arms' evaluations with the calculator, the call rates by kind)."""
+    agent_runs = load_benchmark("agent_runs")
+    saved, page = json.loads(read("docs", "agent_runs.json")), read("docs", "agent.md")
+    assert saved["seeds"] == [0, 1, 2]
+    assert "\n".join(agent_runs.tables(saved)) in page
