@@ -1,5 +1,5 @@
 """The lessons' ledger: every comparative or causal lesson the course teaches, read by one rule from the
-per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, smollm2_runs/).
+per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, agent_runs.json, smollm2_runs/).
 
     python benchmarks/lessons.py            # write docs/lessons.md
     python benchmarks/lessons.py --check    # exit 1 if docs/lessons.md differs (tests/test_lessons.py)
@@ -39,6 +39,7 @@ def read(name: str):
 
 
 SYLLABUS, ENTROPY, BEST_OF_N = read("syllabus.json"), read("entropy.json"), read("best_of_n.json")
+AGENT = read("agent_runs.json")
 SEEDS = SYLLABUS["seeds"]
 
 
@@ -151,6 +152,21 @@ def paired(b: dict, a: dict, claim: str, floor: str = "tiny") -> dict:
     diffs = differences(b, a)
     name, mean, se = verdict(diffs, claim, floor)
     return {"diffs": diffs, "mean": mean, "se": se, "verdict": name, "claim": claim, "floor": floor}
+
+
+def agent_final(arm: str, key: str = "accuracy_sampled") -> dict:
+    """{seed: the last evaluation's value, in points} of an arm of agent_runs.json (benchmarks/agent_runs.py)."""
+    return {int(seed): 100 * run["evals"][-1][key] for seed, run in AGENT["results"][arm].items()}
+
+
+def agent_call_rate(arm: str, kinds: tuple) -> dict:
+    """{seed: the mean over `kinds` (data/make_data.py's problem_kind) of the last evaluation's call rate, in
+    points} of an agent_runs.json arm: each kind weighs alike, whatever its share of the problems."""
+    return {int(seed): 100 * statistics.fmean(run["evals"][-1][f"call_rate/{k}"] for k in kinds)
+            for seed, run in AGENT["results"][arm].items()}
+
+
+SUMS, DIFFERENCES = ("carry", "no carry"), ("borrow", "no borrow", "negative")
 
 
 def best_of_n_gold(part: str, N: str) -> dict:
@@ -271,6 +287,38 @@ def lessons() -> list[dict]:
              unit="points of pass@64 (200 x 64; the 500 x 4 noise floor)",
              **paired({r["seed"]: 100 * r["pass@k"]["64"] for r in BEST_OF_N["grpo"]},
                       {r["seed"]: 100 * r["pass@k"]["64"] for r in BEST_OF_N["sft"]}, "same")),
+        dict(id="L34", lesson="GRPO with the calculator ends above GRPO whose calls are refused, from the same start",
+             where="docs/agent.md", arms="agent no_tool -> tool (agent_runs.json)",
+             differs="--max_tool_calls 2 instead of 0: the calculator answers", unit="points, final sampled "
+             "accuracy (step 120)", **paired(agent_final("tool"), agent_final("no_tool"), "up")),
+        dict(id="L35", lesson="A price per call lowers how often the policy calls", where="docs/agent.md",
+             arms="agent tool -> cost", differs="--tool_call_cost 0.25 instead of 0",
+             unit="points of call rate, all problems (step 120)",
+             **paired(agent_final("cost", "call_rate"), agent_final("tool", "call_rate"), "down")),
+        dict(id="L36", lesson="With a price per call, the policy calls more on differences than on sums",
+             where="docs/agent.md", arms="agent cost: sums (carry, no carry) -> differences (borrow, no borrow, "
+             "negative)", differs="the operator (the same runs, the same evaluation)",
+             unit="points of call rate (step 120)",
+             **paired(agent_call_rate("cost", DIFFERENCES), agent_call_rate("cost", SUMS), "up")),
+        dict(id="L37", lesson="GRPO with the calculator ends above the course's GRPO, which never sees one",
+             where="docs/agent.md", arms="agent_runs.json: grpo -> tool",
+             differs="two things: the start (SFT on demonstrations half of which call the calculator) and the "
+                     "calculator at rollout and evaluation", unit="points, final sampled accuracy (step 120)",
+             **paired(agent_final("tool"), agent_final("grpo"), "up")),
+        dict(id="L38", lesson="A price per call lowers held-out accuracy", where="docs/agent.md",
+             arms="agent tool -> cost", differs="--tool_call_cost 0.25 instead of 0",
+             unit="points, final sampled accuracy (step 120)",
+             **paired(agent_final("cost"), agent_final("tool"), "down")),
+        dict(id="L39", lesson="With a price per call, the policy calls more on sums that carry than on sums that "
+                              "do not", where="docs/agent.md", arms="agent cost: no carry -> carry",
+             differs="whether the sum carries (the same runs, the same evaluation)",
+             unit="points of call rate (step 120)",
+             **paired(agent_call_rate("cost", ("carry",)), agent_call_rate("cost", ("no carry",)), "up")),
+        dict(id="L40", lesson="With a price per call, the policy calls more on differences that borrow than on "
+                              "those that do not", where="docs/agent.md", arms="agent cost: no borrow -> borrow",
+             differs="whether the difference borrows (the same runs, the same evaluation)",
+             unit="points of call rate (step 120)",
+             **paired(agent_call_rate("cost", ("borrow",)), agent_call_rate("cost", ("no borrow",)), "up")),
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",

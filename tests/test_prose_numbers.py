@@ -684,4 +684,5 @@ def test_agent_page_tables_are_the_committed_runs():
     agent_runs = load_benchmark("agent_runs")
     saved, page = json.loads(read("docs", "agent_runs.json")), read("docs", "agent.md")
     assert saved["seeds"] == [0, 1, 2]
-    assert "\n".join(agent_runs.tables(saved)) in page
+    for table in "\n".join(agent_runs.tables(saved)).split("\n\n"):  # the accuracy table, the call-rate table
+        assert table in page

