@@ -94,13 +94,20 @@ def calculator(call: str) -> str:
 def tool_reply(text: str, calls_made: int, max_tool_calls: int) -> str | None:
     """The calculator's turn after the policy's text so far: None if no call waits for a reply (every
     </calc> in the text has one), else '<result>...</result>' for the last call, the text between
-    the last <calc> and the last </calc>; a call beyond max_tool_calls gets an error."""
+    the last <calc> and the last </calc>; a call beyond max_tool_calls gets an error. Text the policy
+    wrote after </calc> in the same token that is the reply's start ('<') is not repeated."""
     if text.count("</calc>") <= calls_made:
         return None
+    end = text.rfind("</calc>")
     if calls_made >= max_tool_calls:
-        return "<result>error: no calls left</result>"
-    call = text[: text.rfind("</calc>")].rpartition("<calc>")
-    return f"<result>{calculator(call[2]) if call[1] else 'error: no <calc> before </calc>'}</result>"
+        reply = "<result>error: no calls left</result>"
+    else:
+        call = text[:end].rpartition("<calc>")
+        reply = f"<result>{calculator(call[2]) if call[1] else 'error: no <calc> before </calc>'}</result>"
+    # A subword token may close the call and open the reply's tag at once (SmolLM2's BPE writes '</calc><'
+    # as '</', 'calc', '><'): the reply then goes on from where the policy's text stops.
+    tail = text[end + len("</calc>"):]
+    return reply[len(tail):] if reply.startswith(tail) else reply
 
 
 # ---------------------------------------------------------------------------------------------

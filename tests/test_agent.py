@@ -45,6 +45,9 @@ def test_calculator_never_raises_on_junk():
     ("<calc>1+1</calc><result>2</result>", 1, 2, None),  # answered already
     ("<think>47+85</calc>", 0, 2, "<result>error: no <calc> before </calc></result>"),
     ("<calc>1+</calc>", 0, 0, "<result>error: no calls left</result>"),  # --max_tool_calls 0: every call refused
+    ("<calc>4+5</calc><", 0, 2, "result>9</result>"),  # the token that closed the call opened the reply's tag
+    ("<calc>4+5</calc><re", 0, 2, "sult>9</result>"),
+    ("<calc>4+5</calc>\n", 0, 2, "<result>9</result>"),  # other text after the call: the reply whole
 ])
 def test_tool_reply_answers_each_closed_call_once(text, made, limit, reply):
     assert agent.tool_reply(text, made, limit) == reply
