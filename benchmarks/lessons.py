@@ -1,5 +1,6 @@
 """The lessons' ledger: every comparative or causal lesson the course teaches, read by one rule from the
-per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, agent_runs.json, smollm2_runs/).
+per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, agent_runs.json,
+agent_smollm2/, smollm2_runs/).
 
     python benchmarks/lessons.py            # write docs/lessons.md
     python benchmarks/lessons.py --check    # exit 1 if docs/lessons.md differs (tests/test_lessons.py)
@@ -157,6 +158,12 @@ def paired(b: dict, a: dict, claim: str, floor: str = "tiny") -> dict:
 def agent_final(arm: str, key: str = "accuracy_sampled") -> dict:
     """{seed: the last evaluation's value, in points} of an arm of agent_runs.json (benchmarks/agent_runs.py)."""
     return {int(seed): 100 * run["evals"][-1][key] for seed, run in AGENT["results"][arm].items()}
+
+
+def agent_smollm2_final() -> float:
+    """The last held-out sampled accuracy, in points, of docs/agent_smollm2/seed0/agent (smollm2_agent.sh)."""
+    with open(os.path.join(ROOT, "docs", "agent_smollm2", "seed0", "agent", "metrics.jsonl"), encoding="utf-8") as f:
+        return 100 * [row for row in map(json.loads, f) if "eval/accuracy_sampled" in row][-1]["eval/accuracy_sampled"]
 
 
 def agent_call_rate(arm: str, kinds: tuple) -> dict:
@@ -319,6 +326,11 @@ def lessons() -> list[dict]:
              differs="whether the difference borrows (the same runs, the same evaluation)",
              unit="points of call rate (step 120)",
              **paired(agent_call_rate("cost", ("borrow",)), agent_call_rate("cost", ("no borrow",)), "up")),
+        dict(id="L41", lesson="SmolLM2 with the calculator ends above its best chain without one",
+             where="docs/agent.md (a real model)", arms="sft120-seed0's GRPO -> agent_smollm2/seed0's agent",
+             differs="two things: the SFT data (half the demonstrations call) and the calculator",
+             unit="points, final sampled accuracy (64 problems x 4)",
+             **paired({0: agent_smollm2_final()}, {0: smollm2_final("sft120-seed0")}, "up", "smollm2")),
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",

