@@ -2,10 +2,10 @@
 
 The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.main`) with short
 configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
-and reused after that: the committed outputs of all eight notebooks come from one SFT checkpoint and
-one reward model. The same config, seed and machine give the same checkpoint; on another machine the
-float order differs and SFT amplifies it, so a notebook run elsewhere prints other numbers than its
-committed outputs.
+and reused after that: the committed outputs of notebooks 01 to 08 come from one SFT checkpoint and
+one reward model (notebook 09 adds its own, on data/tool_demos). The same config, seed and machine
+give the same checkpoint; on another machine the float order differs and SFT amplifies it, so a
+notebook run elsewhere prints other numbers than its committed outputs.
 """
 import dataclasses
 import json
@@ -25,6 +25,10 @@ SFT_CONFIG = sft.Config(max_steps=300, eval_steps=300, num_eval_examples=64, out
 # A short reward model on the shipped pairs plus pairs from the SFT policy's samples on 64 prompts.
 RM_CONFIG = reward_model.Config(model=SFT_CONFIG.output_dir, max_steps=100, policy_prompts=64, eval_steps=50,
                                 num_eval_examples=200, output_dir=f"{OUT}/rm")
+# The agent's start (notebook 09): the same 300 SFT steps on data/tool_demos, whose teacher calls the calculator
+# (`<calc>47+85</calc><result>132</result>`) in half its demonstrations and works the columns in the others.
+TOOL_SFT_CONFIG = sft.Config(dataset="data/tool_demos", max_steps=300, eval_steps=300, num_eval_examples=64,
+                             output_dir=f"{OUT}/sft_tool")
 
 
 def run(main, cfg):
@@ -54,6 +58,11 @@ def reward_checkpoint():
     """The reward model PPO scores with and starts its critic from."""
     sft_policy()
     return checkpoint(reward_model.main, RM_CONFIG)
+
+
+def tool_sft_policy():
+    """The SFT policy that learnt to call the calculator, the agent's start (notebook 09)."""
+    return checkpoint(sft.main, TOOL_SFT_CONFIG)
 
 
 def read_metrics(output_dir):

@@ -223,6 +223,9 @@ QUOTES = [
            r"online +held-out sampled accuracy .*greedy ([\d.]+)% -> ([\d.]+)%")),
     Quote("07_dpo", "What these runs show", r"samples a right answer about one time in (\w+),", 9,
           r"online +held-out sampled accuracy ([\d.]+)%", lambda q, p: int(clean(q[0])) == round(100 / float(p[0]))),
+    Quote("09_agent", "With `policy_mask` the gradient is exactly",
+          r"the gradient is exactly (\d) at every calculator position", 15,
+          r"with policy_mask \(agent\.py\).*\n  calculator positions: \d+, with a nonzero gradient: (\d+)"),
     Quote("08_best_of_n", "pass@k by hand", r"For k = 2: 1 − 10/28 = ([\d.]+)\.", 3, r"k=2: formula ([\d.]+)"),
     Quote("08_best_of_n", "pass@1 is c/n", r"pass@1 is c/n = ([\d.]+),", 3, r"k=1: formula ([\d.]+)",
           lambda q, p: float(q[0]) == float(p[0])),
@@ -386,7 +389,7 @@ def test_a_changed_slip_fails():
 
 
 def test_every_notebook_uses_the_checkpoints_01_and_02_made():
-    """All eight notebooks' committed outputs come from one SFT checkpoint and one reward model: notebook 01's
+    """Notebooks 01 to 08's committed outputs come from one SFT checkpoint and one reward model: notebook 01's
     output trains out/notebooks/sft and 02's trains out/notebooks/rm, no later notebook's output trains either
     again, and notebook 08, which quotes 01's and 02's printed accuracies as its own checkpoints', reuses both."""
     notebooks = sorted(name[:-6] for name in os.listdir(os.path.join(ROOT, "notebooks")) if name.endswith(".ipynb"))

@@ -66,4 +66,4 @@ def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
 def test_there_is_a_notebook_per_stage():
     names = [os.path.basename(path) for path in NOTEBOOKS]
     assert names == ["01_sft.ipynb", "02_reward_model.ipynb", "03_ppo.ipynb", "04_grpo.ipynb", "05_mix.ipynb",
-                     "06_compare.ipynb", "07_dpo.ipynb", "08_best_of_n.ipynb"]
+                     "06_compare.ipynb", "07_dpo.ipynb", "08_best_of_n.ipynb", "09_agent.ipynb"]
