@@ -37,6 +37,7 @@ docs/agent.md explains the episode, the mask, credit over turns, and how TRL, ve
 lay out the same loop.
 """
 import copy
+import functools
 import re
 from dataclasses import dataclass
 
@@ -147,8 +148,7 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
     sampler_logprobs = torch.zeros(N, max_new_tokens, device=device)
     lengths = torch.zeros(N, dtype=torch.long, device=device)  # tokens written per row, the calculator's included
     calls = [0] * N
-    may_close = torch.tensor(['>' in token for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))],
-                             device=device)  # [V]: tokens that may end '</calc>' (only then is the text decoded)
+    may_close = tokens_with_gt(tokenizer).to(device)  # [V]: tokens that may end '</calc>' (only then: decode)
     was_training = model.training
     model.eval()
     with distributed.gathered(model), rollout.autocast(model):
@@ -158,8 +158,9 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
         attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, columns of the cache], [b]
         while True:
             # the policy's turn: one token per row
-            scaled = logits[:, -1].float() / (1.0 if greedy else temperature)  # [b, V]
-            next_tokens = rollout.next_token(logits[:, -1].float(), temperature, greedy)  # [b]
+            last_logits = logits[:, -1].float()  # [b, V]
+            next_tokens = rollout.next_token(last_logits, temperature, greedy)  # [b]
+            scaled = last_logits / (1.0 if greedy else temperature)  # the distribution it sampled from
             sampler_logprobs[rows, lengths[rows]] = scaled.log_softmax(-1).gather(1, next_tokens[:, None]).squeeze(1)
             completion_ids[rows, lengths[rows]] = next_tokens
             lengths[rows] += 1
@@ -207,6 +208,12 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
                     sampler_logprobs[:, :T], torch.tensor(calls, device=device))
 
 
+@functools.lru_cache(maxsize=4)
+def tokens_with_gt(tokenizer) -> torch.Tensor:
+    """[V] bool: the tokens whose text holds '>', the only ones that can end a '</calc>' (once per tokenizer)."""
+    return torch.tensor(['>' in token for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))])
+
+
 PLAIN_LOOP = ("agent.py samples with the plain KV-cache loop, not rollout.py's CUDA-graph static cache: that cache "
               "replays one captured graph per token, and the calculator's reply is a prefill of varying width")
 
@@ -219,16 +226,17 @@ def tool_cost_reward(calls: torch.Tensor, cost: float) -> torch.Tensor:
     return -cost * calls.float()
 
 
-def kind_of(question: str) -> str | None:
-    """data/make_data.py's kind of an arithmetic question ('What is 47 + 85?' -> 'carry'), None for
-    any other question (a hub dataset's)."""
-    match = re.fullmatch(r"What is (\d+) ([-+]) (\d+)\?", question)
+def kind_of(text: str) -> str | None:
+    """data/make_data.py's kind of the arithmetic question in a question or prompt ('What is 47 + 85?' ->
+    'carry'), None for any other question (a hub dataset's)."""
+    match = re.search(r"What is (\d+) ([-+]) (\d+)\?", text)
     return problem_kind(int(match[1]), match[2], int(match[3])) if match else None
 
 
 def call_rates(questions: list[str], calls: torch.Tensor) -> dict:
-    """The share of completions with at least one call, over all and per kind of problem:
-    {'call_rate': .., 'call_rate/carry': .., ...} (a kind with no question this time is left out)."""
+    """The share of completions with at least one call, over all and per kind of problem: questions (or
+    prompts) [N], calls [N] -> {'call_rate': .., 'call_rate/carry': .., ...} (a kind with no question this
+    time is left out)."""
     called = (calls > 0).float().tolist()
     rates = {"call_rate": sum(called) / len(called)}
     for kind in KINDS:
@@ -239,35 +247,23 @@ def call_rates(questions: list[str], calls: torch.Tensor) -> dict:
 
 
 def evaluate_with_tools(model, tokenizer, dataset, cfg) -> dict:
-    """Held-out accuracy with the calculator (common.evaluate's greedy and sampled, each sampled
-    completion with its own calls), and the sampled completions' call rates (call_rates; under torchrun
-    the accuracies count every process's problems, the call rates this process's)."""
-    model.eval()
-    dataset = distributed.process_share(dataset)
-    correct_greedy = correct_sampled = 0
-    questions, calls = [], []
-    rows_per_batch = max(1, cfg.per_device_eval_batch_size // cfg.eval_samples_per_problem)
-    for start in range(0, len(dataset), rows_per_batch):
-        batch = dataset[start : start + rows_per_batch]
-        prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in batch["question"]]
-        for greedy, repeat in ((True, 1), (False, cfg.eval_samples_per_problem)):
-            episodes = generate_with_tools(model, tokenizer, [p for p in prompts for _ in range(repeat)],
-                                           cfg.max_completion_length, cfg.max_tool_calls, 1.0, greedy)
-            texts = tokenizer.batch_decode(episodes.completion_ids, skip_special_tokens=True)
-            correct = sum(common.is_correct(text, answer)
-                          for text, answer in zip(texts, [a for a in batch["answer"] for _ in range(repeat)]))
-            if greedy:
-                correct_greedy += correct
-            else:
-                correct_sampled += correct
-                questions += [q for q in batch["question"] for _ in range(repeat)]
-                calls.append(episodes.calls.cpu())
-    model.train()
-    n = int(common.global_sum(float(len(dataset))))
-    correct_greedy, correct_sampled = (int(common.global_sum(float(x))) for x in (correct_greedy, correct_sampled))
-    return {"accuracy_greedy": correct_greedy / n,
-            "accuracy_sampled": correct_sampled / (n * cfg.eval_samples_per_problem),
-            **call_rates(questions, torch.cat(calls)), "n": n}
+    """Held-out accuracy with the calculator (common.evaluate, sampling with generate_with_tools), and the
+    sampled episodes' call rates (call_rates; under torchrun the accuracies count every process's problems,
+    the call rates this process's)."""
+    sampled = []  # (prompt, calls) of each sampled episode
+
+    def generate(prompts, greedy):
+        episodes = generate_with_tools(model, tokenizer, prompts, cfg.max_completion_length, cfg.max_tool_calls,
+                                       1.0, greedy)
+        if not greedy:
+            sampled.extend(zip(prompts, episodes.calls.tolist()))
+        return episodes.completion_ids
+
+    scores = common.evaluate(model, tokenizer, dataset, cfg.max_completion_length, cfg.system_prompt,
+                             cfg.eval_samples_per_problem, cfg.per_device_eval_batch_size, generate)
+    prompts, calls = zip(*sampled)
+    n = scores.pop("n")
+    return {**scores, **call_rates(list(prompts), torch.tensor(calls)), "n": n}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,9 +356,10 @@ def main(cfg: Config):
 
 def step_log(questions, completions, episodes, rewards_per_func, rewards, advantages, logprobs, old_logprobs,
              ref_logprobs, entropy, policy_mask, loss, grad_norm, scheduler, cfg) -> tuple[dict, dict]:
-    """run.end_step's two arguments: the step's metrics (grpo.py's, over the policy's tokens, with the
-    reward after the calls' cost; the calls and their rates by kind; the calculator's tokens per completion)
-    and completions.jsonl's columns."""
+    """run.end_step's two arguments: the step's metrics and completions.jsonl's columns. The metrics are
+    grpo.step_metrics' over the policy's tokens (kl, entropy, clip_fraction), then four of them replaced: the
+    reward and its spread after the price of the calls, and the length counting the calculator's tokens;
+    and the calls, their rates by kind, the calculator's tokens per episode."""
     G = cfg.num_generations
     metrics = {"loss": loss.item(),
                **grpo.step_metrics(rewards_per_func, policy_mask, logprobs,

