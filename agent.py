@@ -326,17 +326,15 @@ def main(cfg: Config):
             loss = 0.0
             logprobs, entropy = (torch.zeros_like(policy_mask, dtype=torch.float) for _ in range(2))  # [B*G, T]
             for rows in micro_batches:
-                micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
-                micro_loss = grpo.grpo_loss(micro_logprobs, grpo.rows_or_none(old_logprobs, rows),
+                micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature,
+                    entropy_grad=cfg.entropy_coeff > 0)
+                micro_loss = grpo.step_loss(micro_logprobs, grpo.rows_or_none(old_logprobs, rows),
                                             grpo.rows_or_none(ref_logprobs, rows), advantages[rows], policy_mask[rows],
-                                            cfg.epsilon, cfg.beta, cfg.loss_type, step_mask=policy_mask,
-                                            epsilon_high=cfg.epsilon_high,
-                                            importance_sampling_level=cfg.importance_sampling_level,
-                                            max_completion_length=cfg.max_completion_length)
+                                            policy_mask, micro_entropy, cfg)  # grpo.grpo_loss by default
                 micro_loss.backward()
                 loss = loss + micro_loss.detach()
-                logprobs[rows] = micro_logprobs.detach()
+                logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()
             grad_norm = run.clip_gradients(model, loss)
             optimizer.step()
             scheduler.step()

@@ -1,4 +1,4 @@
-"""Best-of-N and pass@k: what sampling N answers and keeping one buys, and what a learned judge does to it.
+"""Best-of-N, majority vote and pass@k: what sampling N answers and keeping one buys, with a judge or without.
 
 Sample N answers to each held-out problem at temperature 1 (rollout.generate), grade each with the
 checker (gold: right or wrong) and score it with a judge (proxy: the checker itself, or a reward
@@ -17,13 +17,17 @@ model written by reward_model.py), then read three things off the same samples:
      and Gao et al. 2023 (an upper bound, Beirami et al. 2024; exact when no two samples tie). Gold and
      proxy against that KL is the over-optimisation curve of Gao et al. 2023: the proxy rises with N;
      where the gold stops following it, best-of-N is picking what the reward model overrates.
+  4. Majority vote, maj@k (self-consistency, Wang et al. 2023): keep the answer most of k samples give,
+     no judge at all. Right when the right answer is the most frequent of the k; a tie of t answers, one
+     of them right, counts 1/t (a fair draw among them). Against pass@k (a perfect judge) and best-of-N
+     by a reward model, it asks what agreement alone is worth (majority_vote_expectation).
 
     python best_of_n.py --model out/grpo                          # pass@k, best-of-N by the checker
     python best_of_n.py --model out/sft --judge out/rm            # best-of-N by the reward model: gold vs proxy
     python best_of_n.py --model out/sft --num_samples 16 --num_eval_examples 100   # a quick look
 
-Writes eval.json (pass@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N; each
-problem's count of right answers), best_of_n.png and run.json to --output_dir, with the training scripts'
+Writes eval.json (pass@k and maj@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N;
+each problem's count of right answers), best_of_n.png and run.json to --output_dir, with the training scripts'
 guarantees (harness.py): the folder checked and locked before any sampling, an earlier evaluation replaced
 only when the new one is whole. Nothing is trained.
 
@@ -32,6 +36,7 @@ kept answers; BoN distillation), a judge other than a reward model (an LLM as ju
 processes (one process samples every problem: N x 500 answers of the tiny model take about a
 minute on a CPU).
 """
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -103,6 +108,47 @@ def best_of_n_kl(N: int) -> float:
     return math.log(N) - (N - 1) / N
 
 
+def vote_key(completion: str) -> str | None:
+    """The answer a sample votes for: its <answer> text read as common.same_number reads it ('1,000', '1000'
+    and '1000.0' are one vote), or None (no vote) when it gives none or an empty one."""
+    answer = common.extract_answer(completion)
+    clean = None if answer is None else answer.replace(",", "").replace("$", "").strip().rstrip(".")
+    if not clean:
+        return None
+    try:
+        return repr(float(clean))
+    except ValueError:
+        return clean
+
+
+def majority_vote_expectation(votes: list, right: list[float], k: int, max_subsets: int = 4096,
+                              generator: torch.Generator | None = None) -> float:
+    """maj@k of one problem: E over the k-subsets of its n samples of [the subset's most frequent answer is the
+    right one], a tie between t answers, the right one among them, counting 1/t. votes [n]: each sample's
+    vote_key (None: no vote); right [n]: 1.0 where the sample is right (all of them vote for one key).
+
+    Exact, over every subset, when there are at most max_subsets of them (C(n, k)); otherwise the mean over
+    max_subsets subsets drawn at random without replacement within each (its standard error at most
+    0.5 / sqrt(max_subsets) per problem). maj@1 = pass@1 = c / n; maj@n is the vote of all n."""
+    n = len(votes)
+    right_keys = {v for v, r in zip(votes, right) if r}
+    if not right_keys:
+        return 0.0
+    keys = sorted({v for v in votes if v is not None})
+    ids = torch.tensor([keys.index(v) if v is not None else len(keys) for v in votes])  # [n]; no vote: its own id
+    right_id = keys.index(right_keys.pop())
+    if math.comb(n, k) <= max_subsets:
+        subsets = torch.tensor(list(itertools.combinations(range(n), k)), dtype=torch.long).view(-1, k)  # [S, k]
+    else:
+        subsets = torch.rand(max_subsets, n, generator=generator).argsort(dim=1)[:, :k]  # [S, k]
+    counts = torch.zeros(len(subsets), len(keys) + 1).scatter_add_(1, ids[subsets], torch.ones(subsets.shape))
+    counts = counts[:, :-1]  # [S, answers]: the no-vote column dropped
+    top = counts.max(dim=1, keepdim=True).values  # [S, 1]
+    leaders = (counts == top) & (top > 0)  # [S, answers]: the most frequent answers of each subset
+    credit = leaders[:, right_id].float() / leaders.sum(dim=1).clamp(min=1)  # 1/t when the right one leads
+    return credit.mean().item()
+
+
 def powers_of_two(n: int) -> list[int]:
     """1, 2, 4, ... up to n, and n itself."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
@@ -112,11 +158,12 @@ def powers_of_two(n: int) -> list[int]:
 # Sampling and judging
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answers, cfg):
+def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answers, cfg, with_votes: bool = False):
     """The n samples of each problem: (gold [P, n] 1.0 or 0.0 by the checker, proxy [P, n] the judge's
-    scores: the checker's own with --judge rule). A judge with a tokenizer of its own reads the
-    samples as text (reward_model.tokenize_samples)."""
-    gold, proxy = [], []
+    scores: the checker's own with --judge rule), and with_votes the answer each sample gives (votes
+    [P][n], vote_key's). A judge with a tokenizer of its own reads the samples as text
+    (reward_model.tokenize_samples)."""
+    gold, proxy, votes = [], [], []
     problems_per_batch = max(1, cfg.per_device_eval_batch_size // cfg.num_samples)
     bar = tqdm(total=len(questions), desc="best_of_n", dynamic_ncols=True, disable=not harness.show_progress())
     for start in range(0, len(questions), problems_per_batch):
@@ -139,20 +186,27 @@ def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answer
             common.check_finite_scores(scores, f"--judge {cfg.judge}")
         gold.append(right.view(-1, cfg.num_samples))
         proxy.append(scores.view(-1, cfg.num_samples))
+        keys = [vote_key(text) for text in texts]
+        votes += [keys[i: i + cfg.num_samples] for i in range(0, len(keys), cfg.num_samples)]
         bar.update(len(batch_questions))
     bar.close()
-    return torch.cat(gold), torch.cat(proxy)
+    return (torch.cat(gold), torch.cat(proxy), votes) if with_votes else (torch.cat(gold), torch.cat(proxy))
 
 
-def summarise(gold: torch.Tensor, proxy: torch.Tensor) -> dict:
-    """The means over problems of pass@k and of best-of-N's gold, proxy and KL, for k, N = 1, 2, 4, ..., n;
-    and c, the right answers of each problem (which problems a model never solves, and which it always does)."""
+def summarise(gold: torch.Tensor, proxy: torch.Tensor, votes: list | None = None) -> dict:
+    """The means over problems of pass@k, of maj@k (given the votes) and of best-of-N's gold, proxy and KL,
+    for k, N = 1, 2, 4, ..., n; and c, the right answers of each problem (which problems a model never
+    solves, and which it always does). maj@k's random subsets come from a generator of their own, seeded 0."""
     n = gold.shape[1]
     right = gold.sum(dim=1).long().tolist()  # c of each problem
     gold_rows, proxy_rows = gold.tolist(), proxy.tolist()
     mean = lambda values: sum(values) / len(values)  # noqa: E731
+    generator = torch.Generator().manual_seed(0)
+    majority = {"maj@k": {str(k): mean([majority_vote_expectation(v, g, k, generator=generator)
+                                        for v, g in zip(votes, gold_rows)]) for k in powers_of_two(n)}} if votes else {}
     return {
         "pass@k": {str(k): mean([pass_at_k(n, c, k) for c in right]) for k in powers_of_two(n)},
+        **majority,
         "best_of_n": {str(N): {"gold": mean([best_of_n_expectation(g, p, N) for g, p in zip(gold_rows, proxy_rows)]),
                                "proxy": mean([best_of_n_expectation(p, p, N) for p in proxy_rows]),
                                "kl": best_of_n_kl(N)} for N in powers_of_two(n)},
@@ -167,9 +221,17 @@ def plot(results: dict, path: str, title: str):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
     ks = [int(k) for k in results["pass@k"]]
-    left.plot(ks, [100 * v for v in results["pass@k"].values()], marker="o")
-    left.set(xscale="log", xlabel="k (answers sampled)", ylabel="pass@k (%)", title="at least one of k right")
+    left.plot(ks, [100 * v for v in results["pass@k"].values()], marker="o", label="pass@k: the checker picks")
+    if results["judge"] != "rule":
+        left.plot(ks, [100 * row["gold"] for row in results["best_of_n"].values()], marker="s", color="tab:green",
+                  label="best of k by the judge")
+    if "maj@k" in results:
+        left.plot(ks, [100 * v for v in results["maj@k"].values()], marker="^", color="tab:purple",
+                  label="maj@k: the most given answer")
+    left.set(xscale="log", xlabel="k (answers sampled)", ylabel="the kept answer right (%)",
+             title="one answer kept of k")
     left.set_xticks(ks, [str(k) for k in ks])
+    left.legend(fontsize=7)
     rows = results["best_of_n"].values()
     kl = [row["kl"] for row in rows]
     right.plot(kl, [100 * results["pass@k"][N] for N in results["best_of_n"]], linestyle="--", color="tab:gray",
@@ -223,9 +285,9 @@ def main(cfg: Config):
             judge_tokenizer = None
     model.to(device).eval()
 
-    gold, proxy = sample_and_judge(model, tokenizer, judge, judge_tokenizer, list(test["question"]),
-                                   list(test["answer"]), cfg)
-    results = {**summarise(gold, proxy), "model": cfg.model, "judge": cfg.judge, "temperature": cfg.temperature}
+    gold, proxy, votes = sample_and_judge(model, tokenizer, judge, judge_tokenizer, list(test["question"]),
+                                          list(test["answer"]), cfg, with_votes=True)
+    results = {**summarise(gold, proxy, votes), "model": cfg.model, "judge": cfg.judge, "temperature": cfg.temperature}
 
     harness.start_output_dir(out, metrics=False)
     harness.write_json(os.path.join(out, "eval.json"), results)
@@ -236,7 +298,8 @@ def main(cfg: Config):
     out = cfg.output_dir
     top = str(cfg.num_samples)
     common.log(f"{cfg.model}: pass@1 {100 * results['pass@k']['1']:.1f}%, pass@{top} "
-               f"{100 * results['pass@k'][top]:.1f}%; best-of-{top} by {cfg.judge}: "
+               f"{100 * results['pass@k'][top]:.1f}%, maj@{top} {100 * results['maj@k'][top]:.1f}%; "
+               f"best-of-{top} by {cfg.judge}: "
                f"{100 * results['best_of_n'][top]['gold']:.1f}% right at KL {results['best_of_n'][top]['kl']:.2f} "
                f"(n={results['n']}); written to {out}/eval.json and {out}/best_of_n.png")
     return results

@@ -161,6 +161,9 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return tokenizer
 
 
+TINY_SIZES = {"tiny": {}, "tiny-small": {"hidden_size": 64}}  # sft.py --model: the embedded models it builds
+
+
 def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> torch.nn.Module:
     """A Llama-style causal LM from scratch: ~1.1M parameters with the defaults.
 

@@ -46,11 +46,12 @@ from common import setting
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages_of)
+LOSS_MODES = ("vanilla", "clip_cov", "kl_cov")  # Cui et al. 2025's remedies for a collapsing entropy (verl's names)
 
 @dataclass
 class Config(harness.RLConfig):
     """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
-    LOSS_SCALES = ("beta",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
+    LOSS_SCALES = ("beta", "entropy_coeff", "ppo_kl_coef")  # scale a loss term: named in the advice after a NaN
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
     num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -91,6 +92,28 @@ class Config(harness.RLConfig):
     """with --dynamic_sampling: rollouts per step at most (DAPO's max_num_gen_batches)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
+    entropy_coeff: float = setting(0.0, lambda v: v >= 0, "0 or more")
+    """an entropy bonus: the loss minus entropy_coeff x the policy's entropy averaged as --loss_type averages the
+    token losses (verl's name and default, 0), paying the policy to stay unsure (see grpo_loss); the entropy's
+    graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
+    loss_mode: str = setting("vanilla", lambda v: v in LOSS_MODES, "one of " + ", ".join(LOSS_MODES))
+    """the covariance remedies of Cui et al. 2025 (verl's policy_loss.loss_mode; see per_token_loss): 'clip_cov'
+    drops the gradient of a random --clip_cov_ratio of the tokens whose covariance of log-prob and advantage lies in
+    (--clip_cov_lb, --clip_cov_ub); 'kl_cov' adds --ppo_kl_coef x |log ratio| on the top --kl_cov_ratio of tokens
+    by that covariance, and, as their code, clips no token; 'vanilla' neither"""
+    clip_cov_ratio: float = setting(2e-4, lambda v: 0 < v <= 1, "in (0, 1]")
+    """with --loss_mode clip_cov: the share of a micro-batch's tokens whose gradient is dropped (at least 1; the
+    paper's 2e-4 picks 1 token of a tiny-model step's ~3,000)"""
+    clip_cov_lb: float = 1.0
+    """with --loss_mode clip_cov: a token is a candidate when its covariance is above this (the paper's 1)"""
+    clip_cov_ub: float = 5.0
+    """with --loss_mode clip_cov: ... and below this (the paper's 5)"""
+    kl_cov_ratio: float = setting(2e-3, lambda v: 0 < v <= 1, "in (0, 1]")
+    """with --loss_mode kl_cov: the share of a micro-batch's tokens, those of highest covariance, that pay the
+    penalty (at least 1; the paper's 2e-3 for 7B models, 2e-4 for 32B)"""
+    ppo_kl_coef: float = setting(1.0, lambda v: v > 0, "positive")
+    """with --loss_mode kl_cov: the penalty's weight on |log pi - log pi_old| (the paper's scripts' 1; verl's
+    config file has 0.1)"""
     # the run's settings (harness.py) at GRPO's defaults
     output_dir: str = "out/grpo"
     per_device_train_batch_size: int = 128
@@ -111,6 +134,18 @@ class Config(harness.RLConfig):
         if self.changed("max_sampling_rounds") and not self.dynamic_sampling:
             common.fail("--max_sampling_rounds limits DAPO's dynamic sampling: add --dynamic_sampling true, or leave "
                         "it out")
+        for name, mode in (("clip_cov_ratio", "clip_cov"), ("clip_cov_lb", "clip_cov"), ("clip_cov_ub", "clip_cov"),
+                           ("kl_cov_ratio", "kl_cov"), ("ppo_kl_coef", "kl_cov")):
+            if self.changed(name) and self.loss_mode != mode:
+                common.fail(f"--{name} belongs to --loss_mode {mode}: add it, or leave --{name} out")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            common.fail(f"--clip_cov_lb ({self.clip_cov_lb}) must be below --clip_cov_ub ({self.clip_cov_ub})")
+        if self.loss_mode != "vanilla" and (self.loss_type == "cispo" or self.importance_sampling_level != "token"):
+            common.fail(f"--loss_mode {self.loss_mode} selects single tokens of the PPO objective: use it with a "
+                        "--loss_type other than cispo and --importance_sampling_level token")
+        if self.loss_mode == "kl_cov" and self.num_iterations == 1:
+            common.fail("--loss_mode kl_cov penalises |log pi - log pi_old|, which is 0, with no gradient, at the "
+                        "first update of a batch: it acts from the second on, so set --num_iterations 2 or more")
         if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
             common.fail(f"--scale_rewards belongs to --advantage_estimator grpo; {self.advantage_estimator} has its "
                         "own scale")
@@ -304,6 +339,98 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, 
     per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
                                importance_sampling_level, cispo=loss_type == "cispo")  # [N, T]
     return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Remedies for a falling entropy (off by default): an entropy bonus, Cui et al. 2025's Clip-Cov and KL-Cov
+# ---------------------------------------------------------------------------------------------
+def token_covariance(logprobs, advantages, mask) -> torch.Tensor:
+    """Each token's share of the covariance that drives the entropy (Cui et al. 2025, "The Entropy Mechanism
+    of RL for Reasoning LMs", section 3): for a softmax policy, a policy-gradient step changes the entropy by
+    about -lr x Cov(log pi(a), A(a)), so tokens the policy is already sure of (high logp) with a positive
+    advantage, and unlikely ones with a negative advantage, drive it down. Per token i over the real tokens:
+
+        cov_i = (A_i - mean A) (logp_i - mean logp)        (means over the micro-batch's real tokens)
+
+    No gradient. logprobs, mask [N, T], advantages [N] -> [N, T], -inf at padding (never picked)."""
+    mask = mask.bool()
+    logp, A = logprobs.detach(), advantages.unsqueeze(1).expand_as(logprobs)
+    cov = (A - A[mask].mean()) * (logp - logp[mask].mean())
+    return torch.where(mask, cov, float("-inf"))
+
+
+def covariance_tokens(logprobs, advantages, mask, cov: dict, eligible=None) -> torch.Tensor:
+    """The tokens Cui et al.'s remedies act on, as their code picks them (verl's compute_policy_loss_clip_cov and
+    _kl_cov at commit b178a3c), n = max(1, int(ratio x the real tokens)):
+        clip_cov   n tokens drawn at random from those with lb < cov_i < ub (and eligible: not clipped already)
+        kl_cov     the n tokens of highest cov_i
+    mask [N, T]: the real tokens; eligible [N, T] bool or None (all). Returns [N, T] bool."""
+    mask = mask.bool()
+    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+    if not mask.any():
+        return picked.view_as(mask)
+    values = token_covariance(logprobs, advantages, mask).flatten()  # [N*T]
+    n = max(1, int(cov["ratio"] * int(mask.sum())))
+    if cov["mode"] == "kl_cov":
+        picked[values.topk(min(n, int(mask.sum()))).indices] = True
+    else:
+        low, high = cov["bounds"]
+        allowed = mask if eligible is None else mask & eligible
+        candidates = ((values > low) & (values < high) & allowed.flatten()).nonzero().squeeze(1)
+        picked[candidates[torch.randperm(len(candidates), device=mask.device)[:n]]] = True
+    return picked.view_as(mask)
+
+
+def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
+                       cov: dict) -> torch.Tensor:
+    """per_token_loss with one of Cui et al.'s remedies on the tokens covariance_tokens picks (cov: {"mode":
+    "clip_cov" or "kl_cov", "ratio", and "bounds" (lb, ub) or "coef"}), as their code (verl, commit b178a3c):
+
+        clip_cov   l_it = 0 on the picked tokens, drawn from those the clip has not clipped already (no value,
+                   no gradient; they still count in the mean): the tokens that drive the entropy down stop
+        kl_cov     l_it = -ratio * A_i (+ the KL term) on every token, no clip, + coef * |logp - old_logp| on the
+                   picked ones: a brake on exactly the tokens that drive the entropy down
+
+    The arguments are per_token_loss's; returns [N, T], 0 at padding."""
+    mask = mask.bool()
+    logprobs = torch.where(mask, logprobs, 0.0)
+    old = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
+    if cov["mode"] == "kl_cov":  # an infinite clip range: min(ratio A, ratio A), no token clipped
+        per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, float("inf"), beta,
+                                   float("inf"))  # [N, T]
+        picked = covariance_tokens(logprobs, advantages, mask, cov)  # [N, T] bool
+        return per_token + torch.where(picked, cov["coef"] * (logprobs - old).abs(), 0.0)
+    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high)
+    ratio, A = torch.exp(logprobs - old), advantages.unsqueeze(1)  # [N, T], [N, 1]
+    high = clip_eps if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * A < ratio * A  # [N, T]: the clip chose its bound
+    picked = covariance_tokens(logprobs, advantages, mask, cov, eligible=~clipped)
+    return torch.where(picked, 0.0, per_token)
+
+
+def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask, entropy, cfg) -> torch.Tensor:
+    """Step 5's loss from the settings: grpo_loss, unless a remedy is set (--loss_mode, --entropy_coeff). With
+    --loss_mode clip_cov or kl_cov the token losses are cov_per_token_loss's; with an entropy bonus (verl's
+    entropy_coeff; Williams & Peng 1991):
+
+        loss = aggregate(l_it) - entropy_coeff * aggregate(H_it),    H_it = -sum_v pi(v) log pi(v)
+
+    entropy [N, T] must carry its gradient then (rollout.completion_logprobs_and_entropy(entropy_grad=True))."""
+    if cfg.loss_mode == "vanilla":
+        loss = grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta, cfg.loss_type,
+                         step_mask=step_mask, epsilon_high=cfg.epsilon_high,
+                         importance_sampling_level=cfg.importance_sampling_level,
+                         max_completion_length=cfg.max_completion_length)
+    else:
+        cov = {"mode": "kl_cov", "ratio": cfg.kl_cov_ratio, "coef": cfg.ppo_kl_coef} if cfg.loss_mode == "kl_cov" else {
+            "mode": "clip_cov", "ratio": cfg.clip_cov_ratio, "bounds": (cfg.clip_cov_lb, cfg.clip_cov_ub)}
+        per_token = cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta,
+                                       cfg.epsilon_high, cov)  # [N, T]
+        loss = aggregate(per_token, mask, cfg.loss_type, step_mask, cfg.max_completion_length)
+    if cfg.entropy_coeff > 0:
+        loss = loss - cfg.entropy_coeff * aggregate(torch.where(mask.bool(), entropy, 0.0), mask, cfg.loss_type,
+                                                    step_mask, cfg.max_completion_length)
+    return loss
 
 
 def rows_or_none(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
@@ -517,17 +644,15 @@ def main(cfg: Config):
             loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's counts, add up to it
             logprobs, entropy = (torch.zeros_like(loss_mask, dtype=torch.float) for _ in range(2))  # [B*G, T], metrics
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
-                micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
-                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
-                micro_loss = grpo_loss(micro_logprobs, rows_or_none(old_logprobs, rows),
+                micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
+                    model, input_ids[rows], attention_mask[rows], T, cfg.temperature,
+                    entropy_grad=cfg.entropy_coeff > 0)  # [n, T] each
+                micro_loss = step_loss(micro_logprobs, rows_or_none(old_logprobs, rows),  # grpo_loss by default
                                        rows_or_none(ref_logprobs, rows), advantages[rows], loss_mask[rows],
-                                       cfg.epsilon, cfg.beta, cfg.loss_type,
-                                       step_mask=loss_mask, epsilon_high=cfg.epsilon_high,
-                                       importance_sampling_level=cfg.importance_sampling_level,
-                                       max_completion_length=cfg.max_completion_length)
+                                       loss_mask, micro_entropy, cfg)
                 micro_loss.backward()  # gradients add up over the micro-batches
                 loss = loss + micro_loss.detach()
-                logprobs[rows] = micro_logprobs.detach()
+                logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()
             grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
             optimizer.step()
             scheduler.step()

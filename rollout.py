@@ -166,14 +166,18 @@ def completion_logprobs(model, input_ids, attention_mask, num_completion_tokens:
 
 @timed("forward")
 def completion_logprobs_and_entropy(model, input_ids, attention_mask, num_completion_tokens: int,
-                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                                    temperature: float = 1.0, entropy_grad: bool = False
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """completion_logprobs [N, T], and from the same logits the policy's entropy at each position
-    [N, T] (no gradient), -sum_v p(v) log p(v): a falling entropy means the policy grows more certain."""
-    return log_probs_pass(model, input_ids, attention_mask, num_completion_tokens, temperature, True)
+    [N, T], -sum_v p(v) log p(v): a falling entropy means the policy grows more certain. No gradient
+    through the entropy unless entropy_grad (an entropy bonus in the loss)."""
+    return log_probs_pass(model, input_ids, attention_mask, num_completion_tokens, temperature, True,
+                          entropy_grad=entropy_grad)
 
 
 def log_probs_pass(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool,
-                   length_chunks: int = 2, share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   length_chunks: int = 2, share_prompts: bool = True, entropy_grad: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-probs [N, T], entropy [N, T] or None). Plainly one forward pass over prompt + completion
     (forward_logprobs); two speed-ups give the same numbers (tests/test_rollout.py):
       share_prompts   rows that share a prompt (GRPO's groups) run it once, then only their completions
@@ -185,9 +189,10 @@ def log_probs_pass(model, input_ids, attention_mask, T: int, temperature: float,
     if share_prompts and not checkpointing(model) and not isinstance(model, FSDPModule):  # FSDPModule: --fsdp
         shared = distinct_prompts_if_shared(model, input_ids[:, :-T], attention_mask[:, :-T])
     if length_chunks == 1 and shared is None:  # the plain path
-        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy)
+        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, None, entropy_grad)
     if length_chunks == 1:
-        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, rows_of(shared))
+        return forward_logprobs(model, input_ids, attention_mask, T, temperature, with_entropy, rows_of(shared),
+                                entropy_grad)
     # Speed: length_chunks (and share_prompts, when shared holds the prompts' pass)
     positions = torch.arange(1, T + 1, device=input_ids.device)
     lengths = (attention_mask[:, -T:] * positions).amax(dim=1)  # [N]: where each row's completion ends
@@ -198,7 +203,7 @@ def log_probs_pass(model, input_ids, attention_mask, T: int, temperature: float,
         width = input_ids.shape[1] - T + t  # prompt + this chunk's longest completion
         logprobs[rows, :t], chunk_entropy = forward_logprobs(  # [b, t] each; gradients flow into logprobs
             model, input_ids[rows, :width], attention_mask[rows, :width], t, temperature, with_entropy,
-            rows_of(shared, rows) if shared else None)
+            rows_of(shared, rows) if shared else None, entropy_grad)
         if with_entropy:
             entropy[rows, :t] = chunk_entropy
     return logprobs, entropy
@@ -217,9 +222,10 @@ def inference(fn, model, input_ids, attention_mask, *args, micro_batches: list) 
 
 
 def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: float, with_entropy: bool = False,
-                     prompt=None):
-    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or None). prompt: None,
-    or the rows' prompts already run (rows_of: their KV cache, and the logits of their last position)."""
+                     prompt=None, entropy_grad: bool = False):
+    """completion_logprobs in one forward pass: (log-probs [n, T], entropy [n, T] or None; the entropy with its
+    gradient if entropy_grad). prompt: None, or the rows' prompts already run (rows_of: their KV cache, and the
+    logits of their last position)."""
     labels = input_ids[:, -T:]  # [n, T]: the completion tokens
     with autocast(model):
         if prompt is None:
@@ -238,7 +244,7 @@ def forward_logprobs(model, input_ids, attention_mask, T: int, temperature: floa
     logprobs = torch.cat([gather_logprobs(logits, piece_labels) for logits, piece_labels in pieces], dim=1)
     if not with_entropy:
         return logprobs, None
-    with torch.no_grad():
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # Speed: no graph kept unless needed
         entropy = torch.cat([entropy_of(logits) for logits, _ in pieces], dim=1)  # [n, T]
     return logprobs, entropy
 

@@ -33,7 +33,8 @@ class Config(harness.PolicyConfig):
     """SFT's settings are the run's: harness.PolicyConfig's, at these defaults."""
     # the run's settings (harness.py) at this script's defaults
     model: str = "tiny"
-    """'tiny' builds the embedded ~1M-parameter model from scratch"""
+    """'tiny' builds the embedded ~1M-parameter model from scratch; 'tiny-small' one of half its width
+    (~0.2M parameters: a smaller student for distill.py)"""
     dataset: str = "data/demos"
     """GSM8K's schema (openai/gsm8k) or prompt/chosen (Dahoas/rm-static)"""
     output_dir: str = "out/sft"
@@ -118,13 +119,13 @@ def main(cfg: Config):
     train_data, test_data = common.load_splits(cfg.dataset, columns, cfg.num_eval_examples)
 
     # model: the embedded tiny one from scratch, or a pretrained one
-    if cfg.model == "tiny":
+    if cfg.model in common.TINY_SIZES:
         if cfg.lora_r is not None:
             common.fail(
                 "--lora_r needs a pretrained --model: the tiny model starts from random weights, so train all of them"
             )
         tokenizer = common.build_tokenizer()
-        model = common.build_tiny_model(tokenizer)
+        model = common.build_tiny_model(tokenizer, **common.TINY_SIZES[cfg.model])
     else:
         model, tokenizer = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process

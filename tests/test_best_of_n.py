@@ -266,3 +266,51 @@ def test_an_evaluation_over_another_scripts_run_replaces_it_whole(saved_tiny, sf
     record = json.loads((out / "run.json").read_text())
     assert record["script"] == "best_of_n.py"
     assert sorted(record["files"]) == sorted(os.listdir(out)) == ["best_of_n.png", "eval.json", "run.json"]
+
+
+def test_majority_vote_by_hand():
+    """Votes A, A, B with A right. maj@1 = 2/3 (pass@1). maj@2: {A, A} -> A (1), {A, B} twice -> a tie of two (1/2
+    each): (1 + 1/2 + 1/2) / 3 = 2/3. maj@3 = 1. With B right instead: maj@2 = (0 + 1/2 + 1/2) / 3 = 1/3, maj@3 = 0.
+    A sample with no answer does not vote: votes A, None with A right give maj@2 = 1."""
+    vote = best_of_n.majority_vote_expectation
+    assert [vote(["A", "A", "B"], [1, 1, 0], k) for k in (1, 2, 3)] == pytest.approx([2 / 3, 2 / 3, 1.0], abs=1e-7)
+    assert [vote(["A", "A", "B"], [0, 0, 1], k) for k in (1, 2, 3)] == pytest.approx([1 / 3, 1 / 3, 0.0], abs=1e-7)
+    assert vote(["A", None], [1, 0], 2) == 1.0 and vote([None, None], [0, 0], 2) == 0.0
+    assert vote(["A", "B"], [0, 0], 1) == 0.0  # no sample right: never
+
+
+def test_majority_vote_is_the_mean_over_every_subset_and_its_estimate_is_close():
+    """Counted over every k-subset by a plain loop, with ties split evenly; for C(n, k) above max_subsets, the
+    random-subset estimate lands within 4 standard errors (0.5 / sqrt(S)) of the exact value."""
+    from collections import Counter
+
+    rng = random.Random(1)
+    for _ in range(30):
+        n = rng.randint(1, 9)
+        votes = [rng.choice(["1.0", "2.0", "3.0", None]) for _ in range(n)]
+        right = [float(v == "2.0") for v in votes]
+        for k in range(1, n + 1):
+            credits = []
+            for subset in itertools.combinations(range(n), k):
+                counts = Counter(votes[j] for j in subset if votes[j] is not None)
+                top = max(counts.values(), default=0)
+                leaders = [v for v, c in counts.items() if c == top]
+                credits.append(("2.0" in leaders) / len(leaders) if top else 0.0)
+            exact = sum(credits) / len(credits)
+            assert best_of_n.majority_vote_expectation(votes, right, k) == pytest.approx(exact, abs=1e-6)
+            estimate = best_of_n.majority_vote_expectation(votes, right, k, max_subsets=2,
+                                                           generator=torch.Generator().manual_seed(0))
+            assert 0.0 <= estimate <= 1.0
+    votes = ["1.0"] * 30 + ["2.0"] * 25 + [None] * 9  # n = 64: C(64, 8) subsets, far too many to count
+    right = [float(v == "1.0") for v in votes]
+    estimate = best_of_n.majority_vote_expectation(votes, right, 8, generator=torch.Generator().manual_seed(0))
+    many = best_of_n.majority_vote_expectation(votes, right, 8, max_subsets=200_000,
+                                               generator=torch.Generator().manual_seed(1))
+    assert abs(estimate - many) < 4 * 0.5 / math.sqrt(4096) and 0.5 < many < 0.75
+
+
+def test_vote_keys_read_numbers_as_the_checker_does():
+    keys = [best_of_n.vote_key(f"<think>x</think><answer>{a}</answer>") for a in ("1,000", "1000", "1000.0", "$1000.")]
+    assert len(set(keys)) == 1 and keys[0] is not None
+    assert best_of_n.vote_key("no answer here") is None and best_of_n.vote_key("<answer> </answer>") is None
+    assert best_of_n.vote_key("<answer>-7</answer>") != best_of_n.vote_key("<answer>7</answer>")

@@ -262,6 +262,7 @@ ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
     "mix.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--expert_data_ratio", "0.5",
                "--max_completion_length", "48"],  # room for an expert answer
     "agent.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16"],
+    "distill.py": ["--per_device_train_batch_size", "2", "--max_completion_length", "16"],  # the .gguf teaches
 }
 
 
@@ -277,14 +278,16 @@ def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path
     from safetensors.torch import load_file
 
     out, model = str(tmp_path / script), gguf_path if script == "grpo.py" else smollm2_folder
+    teacher = ["--teacher_model_name_or_path", gguf_path] if script == "distill.py" else []
     run_main(script, "--model", model, "--output_dir", out, "--max_steps", "2", "--lora_r", "8",
              "--gradient_accumulation_steps", "2", "--warmup_steps", "1", *ONE_EVALUATION,
-             *(ONE_SAMPLE if script != "reward_model.py" else []), *ARGS[script])
+             *(ONE_SAMPLE if script != "reward_model.py" else []), *ARGS[script], *teacher)
     rows = [row for row in read_metrics(out) if "loss" in row or "loss/actor" in row]
     assert len(rows) == 2 and all(math.isfinite(row.get("loss", row.get("loss/actor", 0.0))) for row in rows)
     adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
     moved = any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
-    assert moved or script in ("grpo.py", "ppo.py", "agent.py"), script
+    # distill.py's teacher is the same weights: the student, its adapter at zero, matches it exactly (loss 0)
+    assert moved or script in ("grpo.py", "ppo.py", "agent.py", "distill.py"), script
     with open(os.path.join(out, "adapter_config.json")) as f:
         assert os.path.abspath(json.load(f)["base_model_name_or_path"]) == os.path.abspath(model)
 

@@ -84,7 +84,8 @@ def test_help_from_the_command_line_shows_the_docstring_and_every_field():
         assert f"--{field}" in help_text
 
 
-@pytest.mark.parametrize("script", ["sft", "grpo", "reward_model", "ppo", "mix", "dpo", "best_of_n", "rft", "agent"])
+@pytest.mark.parametrize("script", ["sft", "grpo", "reward_model", "ppo", "mix", "dpo", "best_of_n", "rft", "agent",
+                                    "distill"])
 def test_help_documents_every_field(script, capsys):
     config = __import__(script).Config
     with pytest.raises(SystemExit):
