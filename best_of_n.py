@@ -116,7 +116,7 @@ def vote_key(completion: str) -> str | None:
     if not clean:
         return None
     try:
-        return repr(float(clean))
+        return repr(float(clean) + 0.0)  # + 0.0: '-0' and '0' are one vote, as float equality has them
     except ValueError:
         return clean
 

@@ -157,7 +157,7 @@ def measure(seeds: list[int], jobs: int = 2) -> dict:
         cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
     import torch
     return {"date": time.strftime("%Y-%m-%d"), "machine": f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            "one thread a run, two runs at a time", "seeds": seeds, "teachers": teachers, "teacher_samples": samples,
+            f"one thread a run, {jobs} at a time", "seeds": seeds, "teachers": teachers, "teacher_samples": samples,
             "results": results}
 
 
@@ -187,9 +187,55 @@ def tables(data: dict) -> list[str]:
     return lines
 
 
+def final_minus(data: dict, who: str, name: str, other: str) -> list[float]:
+    """Per seed: the final sampled accuracy of arm `name` minus that of arm `other` (or of the teacher)."""
+    runs = data["results"][who][name]
+    if other == "teacher":
+        return [r["evals"][-1]["sampled"] - 100 * data["teachers"][str(r["seed"])]["accuracy_sampled"] for r in runs]
+    return [r["evals"][-1]["sampled"] - o["evals"][-1]["sampled"] for r, o in zip(runs, data["results"][who][other])]
+
+
+def prose(data: dict) -> list[str]:
+    """The sentences of docs/distill.md that quote the runs (tests/test_prose_numbers.py finds each in the page)."""
+    def listed(values):
+        return ", ".join(f"{v:+.1f}" for v in values)
+
+    samples = data["teacher_samples"].values()
+    return [
+        f"on-policy distillation ended above GRPO on every seed ({listed(final_minus(data, 'student', 'gkd', 'grpo'))} "
+        f"points) and above SFT on the teacher's samples on every seed "
+        f"({listed(final_minus(data, 'student', 'gkd', 'sft_teacher'))})",
+        f"its final sampled accuracy minus its teacher's: {listed(final_minus(data, 'student', 'gkd', 'teacher'))}",
+        f"SFT on the teacher's samples gained less than GRPO on every seed "
+        f"({listed(final_minus(data, 'student', 'sft_teacher', 'grpo'))})",
+        f"on-policy distillation ended above GRPO by {listed(final_minus(data, 'small', 'gkd', 'grpo'))} and above "
+        f"SFT on the teacher's samples by {listed(final_minus(data, 'small', 'gkd', 'sft_teacher'))}",
+        f"SFT on the teacher's samples ended above GRPO by "
+        f"{listed(final_minus(data, 'small', 'sft_teacher', 'grpo'))}",
+        f"the teacher's samples were right {min(100 * x['right'] for x in samples):.1f}% to "
+        f"{max(100 * x['right'] for x in samples):.1f}% of the time",
+        f"{statistics.fmean(r['evals'][-1]['sampled'] for r in data['results']['small']['gkd']):.1f} with on-policy "
+        f"distillation, against the teacher's "
+        f"{statistics.fmean(100 * t['accuracy_sampled'] for t in data['teachers'].values()):.1f}",
+    ]
+
+
 def figure(data: dict):
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1, 1, 0.8]})
     teacher = statistics.fmean(100 * t["accuracy_sampled"] for t in data["teachers"].values())
+    paired = axes[2]
+    for i, (who, marker) in enumerate(zip(STUDENTS, ("o", "s"))):
+        grpo = data["results"][who]["grpo"]
+        for name in ("gkd", "sft_teacher"):
+            runs = data["results"][who][name]
+            paired.plot([r["seed"] + 0.1 * i for r in runs], [r["evals"][-1]["sampled"] - g["evals"][-1]["sampled"]
+                                                              for r, g in zip(runs, grpo)], color=COLORS[name],
+                        marker=marker, linestyle="none", label=f"{who}: {name}")
+    paired.axhline(0, color=COLORS["grpo"], linewidth=1)
+    paired.set(title="final accuracy minus GRPO's, per seed", xlabel="seed", ylabel="points",
+               xticks=data["seeds"])
+    paired.grid(alpha=0.3)
+    paired.legend(fontsize=7)
     for ax, who in zip(axes, STUDENTS):
         for name in ARMS:
             for i, r in enumerate(data["results"][who][name]):
@@ -200,6 +246,10 @@ def figure(data: dict):
                xticks=[0, 20, 40])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out accuracy, sampled (%)")
+    low = min(e["sampled"] for who in STUDENTS for runs in data["results"][who].values() for r in runs
+              for e in r["evals"])
+    for ax in axes[:2]:
+        ax.set_ylim(low - 3, max(teacher, 85) + 3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"On-policy distillation (gkd), SFT on the teacher's samples, GRPO: {len(data['seeds'])} seeds")
     fig.tight_layout()

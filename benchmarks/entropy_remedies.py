@@ -141,27 +141,64 @@ def tables(data: dict) -> list[str]:
     return lines
 
 
+def per_seed(data: dict, arm: str, score) -> list[float]:
+    """score(run) of an arm minus score(run) of base, per seed."""
+    return [score(r) - score(b) for r, b in zip(data["results"][arm], data["results"]["base"])]
+
+
+def prose(data: dict) -> list[str]:
+    """The sentences of docs/grpo.md that quote the runs (tests/test_prose_numbers.py finds each in the page):
+    the base arm's fall, where the start's entropy sits, and each remedy against base, per seed."""
+    def listed(values, fmt="{:+.1f}"):
+        return ", ".join(fmt.format(v) for v in values)
+
+    base, where = data["results"]["base"], data["sft_entropy"]
+    late = lambda r: statistics.fmean(r["entropy"][-10:])  # noqa: E731
+    sentences = [
+        f"from {statistics.fmean(r['entropy'][0] for r in base):.3f} at step 1 to "
+        f"{statistics.fmean(late(r) for r in base):.3f} nats per token over steps 31-40 (per seed "
+        f"{listed([100 * (late(r) / r['entropy'][0] - 1) for r in base], '{:+.0f}%')})",
+        f"the 5% of completion tokens highest in entropy hold {100 * min(w['top5_share'] for w in where):.0f}% to "
+        f"{100 * max(w['top5_share'] for w in where):.0f}% of it, and the median token has "
+        f"{min(w['median'] for w in where):.3f} to {max(w['median'] for w in where):.3f} nats",
+    ]
+    pass16 = [statistics.fmean(100 * r["pass@k"]["16"] for r in runs)
+              for runs in [*data["results"].values(), data["sft_pass@k"]]]
+    sentences.append(f"({min(pass16):.1f}% to {max(pass16):.1f}% on average)")
+    for arm in data["results"]:
+        if arm != "base":
+            sentences.append(
+                f"`{arm}` against base, per seed: entropy of steps 31-40 "
+                f"{listed(per_seed(data, arm, lambda r: 1000 * late(r)))} millinats per token, final accuracy "
+                f"{listed(per_seed(data, arm, lambda r: r['evals'][-1]['sampled']))} points, pass@16 "
+                f"{listed(per_seed(data, arm, lambda r: 100 * r['pass@k']['16']))}")
+    return sentences
+
+
 def figure(data: dict):
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
+    def smooth(values, window=5):  # the batch's entropy moves with its prompts: a 5-step running mean
+        return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
     for arm, runs in data["results"].items():
         steps = range(1, len(runs[0]["entropy"]) + 1)
-        columns = list(zip(*[r["entropy"] for r in runs]))
-        left.plot(steps, [statistics.fmean(c) for c in columns], color=COLORS[arm], label=arm)
-        left.fill_between(steps, [min(c) for c in columns], [max(c) for c in columns], color=COLORS[arm], alpha=0.15,
-                          linewidth=0)
+        mean = smooth([statistics.fmean(c) for c in zip(*[r["entropy"] for r in runs])])
+        left.plot(steps, mean, color=COLORS[arm], label=arm, linewidth=2 if arm == "base" else 1.3)
         ks = [int(k) for k in runs[0]["pass@k"]]
         middle.plot(ks, [statistics.fmean(100 * r["pass@k"][str(k)] for r in runs) for k in ks], color=COLORS[arm],
                     marker="o", label=arm)
         if arm != "base":
             base = data["results"]["base"]
-            right.plot([r["seed"] for r in runs], [r["evals"][-1]["sampled"] - b["evals"][-1]["sampled"]
-                                                   for r, b in zip(runs, base)], color=COLORS[arm], marker="o",
-                       label=arm)
+            offset = 0.08 * (list(data["results"]).index(arm) - 2.5)
+            right.plot([r["seed"] + offset for r in runs], [r["evals"][-1]["sampled"] - b["evals"][-1]["sampled"]
+                                                            for r, b in zip(runs, base)], color=COLORS[arm], marker="o",
+                       linestyle="none", label=arm)
     sft = data["sft_pass@k"]
     ks = [int(k) for k in sft[0]["pass@k"]]
     middle.plot(ks, [statistics.fmean(100 * r["pass@k"][str(k)] for r in sft) for k in ks], color=COLORS["sft"],
                 linestyle="--", marker="o", label="sft (the start)")
-    left.set(xlabel="step", ylabel="entropy (nats per completion token)", title="entropy: mean (line), range (band)")
+    left.set(xlabel="step", ylabel="entropy (nats per completion token)",
+             title="entropy: mean of the seeds, 5-step running mean")
     middle.set(xscale="log", xlabel="k", ylabel="pass@k (%)", title="pass@k of the final models (mean of seeds)")
     middle.set_xticks(ks, [str(k) for k in ks])
     right.axhline(0, color="black", linewidth=0.8)

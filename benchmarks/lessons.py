@@ -1,6 +1,6 @@
 """The lessons' ledger: every comparative or causal lesson the course teaches, read by one rule from the
 per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, agent_runs.json,
-agent_smollm2/, smollm2_runs/).
+agent_smollm2/, smollm2_runs/, distill_runs.json, majority_vote.json, entropy_remedies.json).
 
     python benchmarks/lessons.py            # write docs/lessons.md
     python benchmarks/lessons.py --check    # exit 1 if docs/lessons.md differs (tests/test_lessons.py)
@@ -41,6 +41,7 @@ def read(name: str):
 
 SYLLABUS, ENTROPY, BEST_OF_N = read("syllabus.json"), read("entropy.json"), read("best_of_n.json")
 AGENT = read("agent_runs.json")
+DISTILL, MAJORITY, REMEDIES = read("distill_runs.json"), read("majority_vote.json"), read("entropy_remedies.json")
 SEEDS = SYLLABUS["seeds"]
 
 
@@ -125,7 +126,7 @@ def rms(values: list[float]) -> float:
     return math.sqrt(sum(v * v for v in values) / len(values))
 
 
-FLOORS = {"tiny": tiny_twice(), "smollm2": smollm2_twice()}
+FLOORS = {"tiny": tiny_twice(), "smollm2": smollm2_twice(), "none": [0.0]}  # none: a score with no evaluation noise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +175,34 @@ def agent_call_rate(arm: str, kinds: tuple) -> dict:
 
 
 SUMS, DIFFERENCES = ("carry", "no carry"), ("borrow", "no borrow", "negative")
+
+
+def distill_final(student: str, arm: str) -> dict:
+    """{seed: final held-out sampled accuracy, in points} of an arm of distill_runs.json."""
+    return {run["seed"]: run["evals"][-1]["sampled"] for run in DISTILL["results"][student][arm]}
+
+
+def kept(model: str, way: str, k: str) -> dict:
+    """{seed: the share of problems whose kept answer is right, in points} of majority_vote.json: way is pass@k,
+    best_of_k or maj@k, k one of 1, 2, 4, ..., 64."""
+    return {run["seed"]: 100 * run[way][k] for run in MAJORITY["results"][model]}
+
+
+REMEDY_ARMS = [("clip_higher", "Clip-higher", "--epsilon_high 0.28 instead of 0.2"),
+               ("entropy_bonus", "An entropy bonus", "--entropy_coeff 0.02 instead of 0"),
+               ("clip_cov", "Clip-Cov", "--loss_mode clip_cov (2% of tokens) instead of vanilla"),
+               ("kl_cov", "KL-Cov", "--loss_mode kl_cov (2% of tokens) instead of vanilla")]
+
+
+def remedy(arm: str, key: str = "final") -> dict:
+    """{seed: a score} of an entropy_remedies.json arm: 'final' sampled accuracy (points), 'entropy' of steps 31-40
+    (millinats per token), or 'pass@16' (points)."""
+    runs = REMEDIES["results"][arm]
+    if key == "final":
+        return {r["seed"]: r["evals"][-1]["sampled"] for r in runs}
+    if key == "entropy":
+        return {r["seed"]: 1000 * statistics.fmean(r["entropy"][-10:]) for r in runs}
+    return {r["seed"]: 100 * r["pass@k"]["16"] for r in runs}
 
 
 def best_of_n_gold(part: str, N: str) -> dict:
@@ -331,6 +360,69 @@ def lessons() -> list[dict]:
              differs="two things: the SFT data (half the demonstrations call) and the calculator",
              unit="points, final sampled accuracy (64 problems x 4)",
              **paired({0: agent_smollm2_final()}, {0: smollm2_final("sft120-seed0")}, "up", "smollm2")),
+        dict(id="L42", lesson="On-policy distillation ends above GRPO at equal samples (a student of the teacher's "
+                              "size)", where="docs/distill.md", arms="distill_runs.json student: grpo -> gkd",
+             differs="three things: the signal (a teacher's distribution at every token instead of the checker's "
+                     "reward per completion), the batch (128 prompts x 1 sample instead of 16 x 8), no KL term",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("student", "gkd"), distill_final("student", "grpo"), "up")),
+        dict(id="L43", lesson="On-policy distillation ends above SFT on the teacher's samples (a student of the "
+                              "teacher's size)", where="docs/distill.md",
+             arms="distill_runs.json student: sft_teacher -> gkd",
+             differs="two things: who samples (the student instead of the teacher) and the loss (the reverse KL "
+                     "over the vocabulary instead of the NLL of the sampled tokens)",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("student", "gkd"), distill_final("student", "sft_teacher"), "up")),
+        dict(id="L44", lesson="SFT on the teacher's samples ends below GRPO (a student of the teacher's size)",
+             where="docs/distill.md", arms="distill_runs.json student: grpo -> sft_teacher",
+             differs="the signal and the sampler: the teacher's text imitated instead of the student's own samples "
+                     "rewarded by the checker (and the batch, no KL term)",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("student", "sft_teacher"), distill_final("student", "grpo"), "down")),
+        dict(id="L45", lesson="On-policy distillation ends above GRPO at equal samples (a student of half the "
+                              "width)", where="docs/distill.md", arms="distill_runs.json small: grpo -> gkd",
+             differs="as L42", unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("small", "gkd"), distill_final("small", "grpo"), "up")),
+        dict(id="L46", lesson="On-policy distillation ends above SFT on the teacher's samples (a student of half "
+                              "the width)", where="docs/distill.md", arms="distill_runs.json small: sft_teacher -> gkd",
+             differs="as L43", unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("small", "gkd"), distill_final("small", "sft_teacher"), "up")),
+        dict(id="L47", lesson="SFT on the teacher's samples ends above GRPO (a student of half the width)",
+             where="docs/distill.md", arms="distill_runs.json small: grpo -> sft_teacher", differs="as L44",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(distill_final("small", "sft_teacher"), distill_final("small", "grpo"), "up")),
+        *[dict(id=f"L{48 + i}", lesson=f"{name} keeps the policy's entropy higher than the aggressive setting alone",
+               where="docs/grpo.md (entropy)", arms=f"entropy_remedies.json: base -> {arm}", differs=change,
+               unit="millinats per completion token, the mean of steps 31-40 (no evaluation noise: the floor is 0)",
+               **paired(remedy(arm, "entropy"), remedy("base", "entropy"), "up", "none"))
+          for i, (arm, name, change) in enumerate(REMEDY_ARMS)],
+        *[dict(id=f"L{52 + i}", lesson=f"{name} {'leaves' if claim == 'same' else 'lowers'} the final accuracy of "
+                                       f"the aggressive setting{' unchanged' if claim == 'same' else ''}",
+               where="docs/grpo.md (entropy)", arms=f"entropy_remedies.json: base -> {arm}", differs=change,
+               unit="points, final sampled accuracy (step 40)", **paired(remedy(arm), remedy("base"), claim))
+          for i, ((arm, name, change), claim) in enumerate(zip(REMEDY_ARMS, ("same", "down", "down", "down")))],
+        *[dict(id=f"L{56 + i}", lesson=f"A majority vote of 64 samples is right more often than one sample ({name})",
+               where="docs/best_of_n.md", arms=f"majority_vote.json {model}: pass@1 -> maj@64",
+               differs="the answer kept: the most given of 64 samples instead of one sample (the same samples)",
+               unit="points of the 200 problems whose kept answer is right",
+               **paired(kept(model, "maj@k", "64"), kept(model, "pass@k", "1"), "up"))
+          for i, (model, name) in enumerate((("sft", "SFT"), ("grpo", "GRPO")))],
+        dict(id="L58", lesson="With 4 samples of the SFT model, the reward model's pick is right more often than "
+                              "the vote", where="docs/best_of_n.md", arms="majority_vote.json sft: best of 4 -> maj@4",
+             differs="the rule that keeps one of the same 4 samples: the most given answer instead of the reward "
+                     "model's top score", unit="points of the 200 problems whose kept answer is right",
+             **paired(kept("sft", "maj@k", "4"), kept("sft", "best_of_k", "4"), "down")),
+        dict(id="L59", lesson="With 4 samples of the GRPO model, the vote is right more often than the reward "
+                              "model's pick", where="docs/best_of_n.md", arms="majority_vote.json grpo: best of 4 -> "
+                                                                              "maj@4", differs="as L58",
+             unit="points of the 200 problems whose kept answer is right",
+             **paired(kept("grpo", "maj@k", "4"), kept("grpo", "best_of_k", "4"), "up")),
+        *[dict(id=f"L{60 + i}", lesson=f"With 64 samples, the vote is right more often than the reward model's pick "
+                                       f"({name})", where="docs/best_of_n.md",
+               arms=f"majority_vote.json {model}: best of 64 -> maj@64", differs="as L58, of 64 samples",
+               unit="points of the 200 problems whose kept answer is right",
+               **paired(kept(model, "maj@k", "64"), kept(model, "best_of_k", "64"), "up"))
+          for i, (model, name) in enumerate((("sft", "SFT"), ("grpo", "GRPO")))],
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",
@@ -346,6 +438,13 @@ def lessons() -> list[dict]:
         dict(id="L25", lesson="No entropy collapse in 40 GRPO steps", where="docs/grpo.md (entropy)",
              kind="an observation", evidence="entropy of steps 31-40 minus step 1's, base arm: "
              + ", ".join(f"{v:+.4f}" for v in entropy_change().values()) + " nats per token"),
+        dict(id="L62", lesson="No entropy collapse at the aggressive setting either (4 updates, no KL term, lr 1e-4)",
+             where="docs/grpo.md (entropy)", kind="an observation",
+             evidence="entropy of steps 31-40 over step 1's, base arm of entropy_remedies.json: " + ", ".join(
+                 f"{statistics.fmean(r['entropy'][-10:]) / r['entropy'][0]:.2f}" for r in REMEDIES["results"]["base"])
+             + "; pass@16 of its final models " + ", ".join(
+                 f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["results"]["base"]) + " against the start's "
+             + ", ".join(f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["sft_pass@k"])),
         dict(id="L26", lesson="A reward model's accuracy on the policy's own pairs predicts PPO's gain",
              where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control",
              evidence="policy-pair accuracy " + ", ".join(
@@ -433,8 +532,9 @@ def page() -> str:
             out.append(f"| {row['id']} | {row['lesson']} | {row['arms']} | {row['differs']} | {CLAIMS[row['claim']]} "
                        f"| {', '.join(f'{d:+.2f}' for d in row['diffs'])} | {row['mean']:+.2f} ({row['se']:.2f}) "
                        f"| **{row['verdict']}** |")
-    out += ["", "Units: points of the score each row's section below names, with the noise floor it uses (an",
-            "evaluation with no twice-evaluated model of its own uses the floor of its model's usual one).", "",
+    out += ["", "Units: those of the score each row's section below names (points, unless it says otherwise), with",
+            "the noise floor it uses (an evaluation with no twice-evaluated model of its own uses the floor of its",
+            "model's usual one; a score with no evaluation noise, such as the training entropy, uses none).", "",
             "## Lessons without a paired comparison", "", "| id | lesson | what it rests on | evidence |",
             "| --- | --- | --- | --- |"]
     for row in rows:

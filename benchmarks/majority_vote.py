@@ -81,6 +81,35 @@ def tables(data: dict) -> list[str]:
     return lines
 
 
+def prose(data: dict) -> list[str]:
+    """The sentences of docs/best_of_n.md that quote the runs (tests/test_prose_numbers.py finds each in the page):
+    for each model, the vote's gain over one sample, where the reward model's pick peaks, and what a perfect
+    judge adds over the vote at k = 64."""
+    def listed(values):
+        return ", ".join(f"{v:+.1f}" for v in values)
+
+    sentences = []
+    for model in MODELS:
+        runs = data["results"][model]
+        peaks = [max(r["best_of_k"], key=lambda k: r["best_of_k"][k]) for r in runs]
+        vote_gain = [100 * (r["maj@k"]["64"] - r["pass@k"]["1"]) for r in runs]
+        judge_gain = [100 * (r["pass@k"]["64"] - r["maj@k"]["64"]) for r in runs]
+        sentences += [
+            f"{model}: maj@64 minus pass@1, per seed, {listed(vote_gain)} points",
+            f"{model}: the reward model's pick was best at k = {', '.join(peaks)} (per seed) and fell to "
+            f"{statistics.fmean(100 * r['best_of_k']['64'] for r in runs):.1f} at k = 64",
+            f"{model}: pass@64 minus maj@64, per seed, {listed(judge_gain)}",
+        ]
+    def vote_minus_judge(model, k):
+        return [100 * (r["maj@k"][k] - r["best_of_k"][k]) for r in data["results"][model]]
+
+    at_64 = vote_minus_judge("sft", "64") + vote_minus_judge("grpo", "64")
+    sentences += [f"(the row above: {listed(vote_minus_judge('sft', '4'))})",
+                  f"already behind ({listed(vote_minus_judge('grpo', '4'))})",
+                  f"the vote was ahead by {min(at_64):.0f} to {max(at_64):.0f} points"]
+    return sentences
+
+
 def figure(data: dict):
     fig, axes = plt.subplots(1, len(MODELS), figsize=(11, 4), sharey=True)
     for ax, model in zip(axes, MODELS):

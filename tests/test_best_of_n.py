@@ -97,8 +97,8 @@ def test_a_judge_with_its_own_tokenizer_scores_the_samples_as_the_same_judge_wit
 
 
 def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
-    """8 samples of 16 problems: pass@1 is the share of right samples, pass@k never falls with k, best of N
-    by the checker is pass@N, and the outputs are written."""
+    """8 samples of 16 problems: pass@1 is the share of right samples, pass@k never falls with k, maj@1 is
+    pass@1 and maj@k never above pass@k, best of N by the checker is pass@N, and the outputs are written."""
     out = str(tmp_path / "bon")
     run_main("best_of_n.py", "--model", sft_checkpoint, "--num_samples", "8", "--num_eval_examples", "16",
              "--output_dir", out)
@@ -111,6 +111,9 @@ def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
     assert len(right) == 16 and all(0 <= c <= 8 for c in right)
     assert passes[0] == pytest.approx(sum(right) / (16 * 8), abs=1e-12)
     assert passes[-1] == pytest.approx(sum(c > 0 for c in right) / 16, abs=1e-12)
+    # one sample's vote is that sample: maj@1 is pass@1; and a vote is never right more often than some sample
+    assert result["maj@k"]["1"] == pytest.approx(passes[0], abs=1e-6)
+    assert all(result["maj@k"][k] <= result["pass@k"][k] + 1e-6 for k in result["maj@k"])
     for N, row in result["best_of_n"].items():
         assert row["gold"] == pytest.approx(result["pass@k"][N], abs=1e-12) == row["proxy"]
         assert row["kl"] == best_of_n.best_of_n_kl(int(N))
@@ -314,3 +317,4 @@ def test_vote_keys_read_numbers_as_the_checker_does():
     assert len(set(keys)) == 1 and keys[0] is not None
     assert best_of_n.vote_key("no answer here") is None and best_of_n.vote_key("<answer> </answer>") is None
     assert best_of_n.vote_key("<answer>-7</answer>") != best_of_n.vote_key("<answer>7</answer>")
+    assert best_of_n.vote_key("<answer>-0</answer>") == best_of_n.vote_key("<answer>0</answer>")  # both right for 0

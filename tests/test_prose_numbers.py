@@ -703,3 +703,36 @@ def test_agent_page_smollm2_table_is_the_committed_runs():
     assert table_row(page, "`agent.py` from it")[1] == evals("agent_smollm2", "seed0", "agent")
     assert table_row(page, "SFT on `data/demos`")[1] == evals("smollm2_runs", "sft120-seed0", "sft")
     assert table_row(page, "`grpo.py` from it")[1] == evals("smollm2_runs", "sft120-seed0", "grpo")
+
+
+def test_distill_page_table_is_the_committed_runs():
+    """docs/distill.md's table is what benchmarks/distill_runs.py prints from the committed docs/distill_runs.json
+    (3 seeds; two students, three arms each, and the teacher), and the prose's numbers are the table's."""
+    distill_runs = load_benchmark("distill_runs")
+    saved, page = json.loads(read("docs", "distill_runs.json")), read("docs", "distill.md")
+    assert saved["seeds"] == [0, 1, 2]
+    assert "\n".join(distill_runs.tables(saved)) in page
+    for sentence in distill_runs.prose(saved):
+        assert sentence in " ".join(page.split()), sentence
+
+
+def test_majority_vote_table_is_the_committed_runs():
+    """docs/best_of_n.md's majority-vote table is what benchmarks/majority_vote.py prints from the committed
+    docs/majority_vote.json (3 seeds, SFT and GRPO, three ways to keep one answer of k)."""
+    majority_vote = load_benchmark("majority_vote")
+    saved, page = json.loads(read("docs", "majority_vote.json")), read("docs", "best_of_n.md")
+    assert saved["seeds"] == [0, 1, 2]
+    assert "\n".join(majority_vote.tables(saved)) in page
+    for sentence in majority_vote.prose(saved):
+        assert sentence in " ".join(page.split()), sentence
+
+
+def test_entropy_remedies_table_is_the_committed_runs():
+    """docs/grpo.md's remedies table is what benchmarks/entropy_remedies.py prints from the committed
+    docs/entropy_remedies.json (3 seeds, the aggressive setting and four remedies, pass@k of each)."""
+    entropy_remedies = load_benchmark("entropy_remedies")
+    saved, page = json.loads(read("docs", "entropy_remedies.json")), read("docs", "grpo.md")
+    assert saved["seeds"] == [0, 1, 2]
+    assert "\n".join(entropy_remedies.tables(saved)) in page
+    for sentence in entropy_remedies.prose(saved):
+        assert sentence in " ".join(page.split()), sentence
