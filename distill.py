@@ -25,12 +25,13 @@ prefixes mean something, with the student's tokenizer.
 
     python sft.py && python grpo.py && python distill.py     # student out/sft, teacher out/grpo -> out/distill
     python distill.py --beta 0                               # the forward KL on the student's samples
-    python distill.py --teacher_model_name_or_path out/sft_big --model out/sft_small   # any pair, one tokenizer
+    python sft.py --model tiny-small --output_dir out/sft_small && \\
+        python distill.py --model out/sft_small --output_dir out/distill_small   # a student of half the width
 
 Left out, and why: GKD's lmbda (a share of steps on the dataset's or the teacher's text instead of
 the student's: TRL 1.9 removed it from DistillationTrainer; off-policy distillation, SFT on the
 teacher's samples, is sft.py on a file the teacher wrote, benchmarks/distill_runs.py); a teacher with
-another tokenizer (universal logit distillation aligns vocabularies); top-k teacher logits (the tiny
+another tokenizer (the two distributions would first have to be aligned token by token); top-k teacher logits (the tiny
 vocabulary has 264 tokens, so the whole distribution is cheap); a reward on top (GKD + RL, their
 section 5).
 """

@@ -104,9 +104,9 @@ class Config(harness.RLConfig):
     clip_cov_ratio: float = setting(2e-4, lambda v: 0 < v <= 1, "in (0, 1]")
     """with --loss_mode clip_cov: the share of a micro-batch's tokens whose gradient is dropped (at least 1; the
     paper's 2e-4 picks 1 token of a tiny-model step's ~3,000)"""
-    clip_cov_lb: float = 1.0
+    clip_cov_lb: float = setting(1.0, lambda v: True, "a finite number (a covariance may have either sign)")
     """with --loss_mode clip_cov: a token is a candidate when its covariance is above this (the paper's 1)"""
-    clip_cov_ub: float = 5.0
+    clip_cov_ub: float = setting(5.0, lambda v: True, "a finite number, above --clip_cov_lb")
     """with --loss_mode clip_cov: ... and below this (the paper's 5)"""
     kl_cov_ratio: float = setting(2e-3, lambda v: 0 < v <= 1, "in (0, 1]")
     """with --loss_mode kl_cov: the share of a micro-batch's tokens, those of highest covariance, that pay the
