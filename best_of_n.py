@@ -145,7 +145,7 @@ def majority_vote_expectation(votes: list, right: list[float], k: int, max_subse
     counts = counts[:, :-1]  # [S, answers]: the no-vote column dropped
     top = counts.max(dim=1, keepdim=True).values  # [S, 1]
     leaders = (counts == top) & (top > 0)  # [S, answers]: the most frequent answers of each subset
-    credit = leaders[:, right_id].float() / leaders.sum(dim=1).clamp(min=1)  # 1/t when the right one leads
+    credit = leaders[:, right_id].double() / leaders.sum(dim=1).clamp(min=1)  # [S]: 1/t when the right one leads
     return credit.mean().item()
 
 

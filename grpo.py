@@ -359,10 +359,11 @@ def token_covariance(logprobs, advantages, mask) -> torch.Tensor:
     return torch.where(mask, cov, float("-inf"))
 
 
-def covariance_tokens(logprobs, advantages, mask, cov: dict, eligible=None) -> torch.Tensor:
+def covariance_tokens(logprobs, advantages, mask, mode: str, ratio: float, bounds=None, eligible=None) -> torch.Tensor:
     """The tokens Cui et al.'s remedies act on, as their code picks them (verl's compute_policy_loss_clip_cov and
     _kl_cov at commit b178a3c), n = max(1, int(ratio x the real tokens)):
-        clip_cov   n tokens drawn at random from those with lb < cov_i < ub (and eligible: not clipped already)
+        clip_cov   n tokens drawn at random from those with lb < cov_i < ub, bounds = (lb, ub) (and eligible:
+                   not clipped already)
         kl_cov     the n tokens of highest cov_i
     mask [N, T]: the real tokens; eligible [N, T] bool or None (all). Returns [N, T] bool."""
     mask = mask.bool()
@@ -370,11 +371,11 @@ def covariance_tokens(logprobs, advantages, mask, cov: dict, eligible=None) -> t
     if not mask.any():
         return picked.view_as(mask)
     values = token_covariance(logprobs, advantages, mask).flatten()  # [N*T]
-    n = max(1, int(cov["ratio"] * int(mask.sum())))
-    if cov["mode"] == "kl_cov":
+    n = max(1, int(ratio * int(mask.sum())))
+    if mode == "kl_cov":
         picked[values.topk(min(n, int(mask.sum()))).indices] = True
     else:
-        low, high = cov["bounds"]
+        low, high = bounds
         allowed = mask if eligible is None else mask & eligible
         candidates = ((values > low) & (values < high) & allowed.flatten()).nonzero().squeeze(1)
         picked[candidates[torch.randperm(len(candidates), device=mask.device)[:n]]] = True
@@ -382,9 +383,9 @@ def covariance_tokens(logprobs, advantages, mask, cov: dict, eligible=None) -> t
 
 
 def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                       cov: dict) -> torch.Tensor:
-    """per_token_loss with one of Cui et al.'s remedies on the tokens covariance_tokens picks (cov: {"mode":
-    "clip_cov" or "kl_cov", "ratio", and "bounds" (lb, ub) or "coef"}), as their code (verl, commit b178a3c):
+                       mode: str, ratio: float, bounds=(1.0, 5.0), coef: float = 1.0) -> torch.Tensor:
+    """per_token_loss with one of Cui et al.'s remedies (mode 'clip_cov' or 'kl_cov') on the tokens
+    covariance_tokens picks (ratio, bounds), as their code (verl, commit b178a3c):
 
         clip_cov   l_it = 0 on the picked tokens, drawn from those the clip has not clipped already (no value,
                    no gradient; they still count in the mean): the tokens that drive the entropy down stop
@@ -395,16 +396,17 @@ def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, c
     mask = mask.bool()
     logprobs = torch.where(mask, logprobs, 0.0)
     old = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
-    if cov["mode"] == "kl_cov":  # an infinite clip range: min(ratio A, ratio A), no token clipped
+    if mode == "kl_cov":  # an infinite clip range: min(ratio A, ratio A), no token clipped
         per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, float("inf"), beta,
                                    float("inf"))  # [N, T]
-        picked = covariance_tokens(logprobs, advantages, mask, cov)  # [N, T] bool
-        return per_token + torch.where(picked, cov["coef"] * (logprobs - old).abs(), 0.0)
+        picked = covariance_tokens(logprobs, advantages, mask, mode, ratio)  # [N, T] bool
+        return per_token + torch.where(picked, coef * (logprobs - old).abs(), 0.0)
     per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high)
-    ratio, A = torch.exp(logprobs - old), advantages.unsqueeze(1)  # [N, T], [N, 1]
+    # which tokens the clip already holds: per_token_loss's own comparison, redone here (it returns the loss only)
+    token_ratio, A = torch.exp(logprobs - old), advantages.unsqueeze(1)  # [N, T], [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + high) * A < ratio * A  # [N, T]: the clip chose its bound
-    picked = covariance_tokens(logprobs, advantages, mask, cov, eligible=~clipped)
+    clipped = torch.clamp(token_ratio, 1 - clip_eps, 1 + high) * A < token_ratio * A  # [N, T]: the clip chose its bound
+    picked = covariance_tokens(logprobs, advantages, mask, mode, ratio, bounds, eligible=~clipped)  # [N, T] bool
     return torch.where(picked, 0.0, per_token)
 
 
@@ -422,10 +424,10 @@ def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask,
                          importance_sampling_level=cfg.importance_sampling_level,
                          max_completion_length=cfg.max_completion_length)
     else:
-        cov = {"mode": "kl_cov", "ratio": cfg.kl_cov_ratio, "coef": cfg.ppo_kl_coef} if cfg.loss_mode == "kl_cov" else {
-            "mode": "clip_cov", "ratio": cfg.clip_cov_ratio, "bounds": (cfg.clip_cov_lb, cfg.clip_cov_ub)}
+        ratio = cfg.kl_cov_ratio if cfg.loss_mode == "kl_cov" else cfg.clip_cov_ratio
         per_token = cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta,
-                                       cfg.epsilon_high, cov)  # [N, T]
+                                       cfg.epsilon_high, cfg.loss_mode, ratio, (cfg.clip_cov_lb, cfg.clip_cov_ub),
+                                       cfg.ppo_kl_coef)  # [N, T]
         loss = aggregate(per_token, mask, cfg.loss_type, step_mask, cfg.max_completion_length)
     if cfg.entropy_coeff > 0:
         loss = loss - cfg.entropy_coeff * aggregate(torch.where(mask.bool(), entropy, 0.0), mask, cfg.loss_type,

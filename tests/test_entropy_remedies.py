@@ -23,9 +23,9 @@ def test_token_covariance_by_hand():
 
 def test_kl_cov_picks_the_tokens_of_highest_covariance():
     """ratio 0.5 of 4 tokens: the 2 of highest covariance, 0.8 and 0.1."""
-    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), {"mode": "kl_cov", "ratio": 0.5})
+    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 0.5)
     assert picked.tolist() == [[True, False], [False, True]]
-    one = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), {"mode": "kl_cov", "ratio": 1e-4})
+    one = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 1e-4)
     assert one.tolist() == [[True, False], [False, False]]  # at least one token, however small the ratio
 
 
@@ -34,8 +34,7 @@ def test_clip_cov_picks_at_random_inside_the_bounds():
     seen = set()
     for seed in range(20):
         torch.manual_seed(seed)
-        picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool),
-                                        {"mode": "clip_cov", "ratio": 0.25, "bounds": (0.05, 1.0)})
+        picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25, (0.05, 1.0))
         assert picked.sum() == 1 and (picked[0, 0] or picked[1, 1])
         seen.add(tuple(picked.flatten().tolist()))
     assert len(seen) == 2  # both candidates get drawn
@@ -45,8 +44,7 @@ def test_kl_cov_loss_by_hand():
     """Token (0, 0) has the top covariance and ratio exp(0.4) = 1.4918, outside the clip: KL-Cov clips nothing, so
     its loss is -A ratio + coef |log ratio| = -1.4918 + 1.0 x 0.4 = -1.0918; the others -A ratio."""
     old = LOGP - torch.tensor([[0.4, 0.0], [0.1, -0.2]])
-    loss = grpo.cov_per_token_loss(LOGP, old, None, ADV, torch.ones(2, 2), 0.2, 0.0, None,
-                                   {"mode": "kl_cov", "ratio": 0.25, "coef": 1.0})
+    loss = grpo.cov_per_token_loss(LOGP, old, None, ADV, torch.ones(2, 2), 0.2, 0.0, None, "kl_cov", 0.25, coef=1.0)
     ratio = torch.exp(LOGP - old)
     expected = [[-ratio[0, 0] + 0.4, -ratio[0, 1]], [ratio[1, 0], ratio[1, 1]]]
     assert_close(loss, expected, terms=10)
@@ -57,11 +55,11 @@ def test_clip_cov_zeroes_the_picked_tokens_value_and_gradient():
     """Every token but the picked one has the vanilla loss and gradient; the picked one has neither."""
     torch.manual_seed(0)
     logp = LOGP.clone().requires_grad_(True)
-    cov = {"mode": "clip_cov", "ratio": 0.25, "bounds": (0.05, 1.0)}
     torch.manual_seed(5)
-    loss = grpo.cov_per_token_loss(logp, None, None, ADV, torch.ones(2, 2), 0.2, 0.0, None, cov)
+    loss = grpo.cov_per_token_loss(logp, None, None, ADV, torch.ones(2, 2), 0.2, 0.0, None, "clip_cov", 0.25,
+                                   (0.05, 1.0))
     torch.manual_seed(5)
-    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), cov)
+    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25, (0.05, 1.0))
     loss.sum().backward()
     vanilla = LOGP.clone().requires_grad_(True)
     plain = grpo.per_token_loss(vanilla, None, None, ADV, torch.ones(2, 2), 0.2, 0.0)
@@ -129,14 +127,12 @@ def test_both_remedies_equal_verls_code(seed):
     old = logp + torch.randn(N, T) * 0.3
     adv = torch.randn(N)
     adv_tokens = adv.unsqueeze(1).expand(N, T).clone()
-    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, {"mode": "kl_cov", "ratio": 0.08,
-                                                                                "coef": 1.0})
+    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, "kl_cov", 0.08, coef=1.0)
     theirs = verl_kl_cov(torch.where(mask.bool(), old, 0.0), torch.where(mask.bool(), logp, 0.0), adv_tokens, mask,
                          0.08, 1.0)
     assert_close(ours[mask.bool()], theirs[mask.bool()], terms=N * T)
-    cov = {"mode": "clip_cov", "ratio": 0.08, "bounds": (0.1, 5.0)}
     torch.manual_seed(100 + seed)
-    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, cov)
+    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, "clip_cov", 0.08, (0.1, 5.0))
     torch.manual_seed(100 + seed)
     theirs = verl_clip_cov(torch.where(mask.bool(), old, 0.0), torch.where(mask.bool(), logp, 0.0), adv_tokens, mask,
                            0.2, 0.08, 0.1, 5.0)
