@@ -160,8 +160,7 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
             # the policy's turn: one token per row
             last_logits = logits[:, -1].float()  # [b, V]
             next_tokens = rollout.next_token(last_logits, temperature, greedy)  # [b]
-            scaled = last_logits / (1.0 if greedy else temperature)  # the distribution it sampled from
-            sampler_logprobs[rows, lengths[rows]] = scaled.log_softmax(-1).gather(1, next_tokens[:, None]).squeeze(1)
+            sampler_logprobs[rows, lengths[rows]] = rollout.token_logprobs(last_logits, next_tokens, temperature)
             completion_ids[rows, lengths[rows]] = next_tokens
             lengths[rows] += 1
             finished = (next_tokens == tokenizer.eos_token_id) | (lengths[rows] >= max_new_tokens)  # [b]
@@ -331,7 +330,8 @@ def main(cfg: Config):
                     entropy_grad=cfg.entropy_coeff > 0)
                 micro_loss = grpo.step_loss(micro_logprobs, grpo.rows_or_none(old_logprobs, rows),
                                             grpo.rows_or_none(ref_logprobs, rows), advantages[rows], policy_mask[rows],
-                                            policy_mask, micro_entropy, cfg)  # grpo.grpo_loss by default
+                                            policy_mask, micro_entropy, cfg,  # grpo.grpo_loss by default
+                                            episodes.sampler_logprobs[rows])
                 micro_loss.backward()
                 loss = loss + micro_loss.detach()
                 logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()
@@ -369,7 +369,9 @@ def step_log(questions, completions, episodes, rewards_per_func, rewards, advant
                "reply_tokens": episodes.reply_mask.sum(dim=1).float().mean().item(),
                "calls": episodes.calls.float().mean().item(),
                **call_rates([q for q in questions for _ in range(G)], episodes.calls),
-               "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0]}
+               "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+               **rollout.sampler_mismatch(logprobs if old_logprobs is None else old_logprobs, episodes.sampler_logprobs,
+                                          policy_mask)}  # pi_old: the trainer's, the sampler's
     logged = {"prompt": [q for q in questions for _ in range(G)], "completion": completions,
               "advantage": advantages.tolist(), "calls": episodes.calls.tolist(), "reward": rewards.tolist()}
     return metrics, logged

@@ -118,13 +118,16 @@ def load_teacher(cfg, tokenizer, student, device):
     return teacher.to(device).eval().requires_grad_(False)
 
 
-def step_log(loss, accuracy, completion_mask, grad_norm, scheduler, prompts, completions) -> tuple[dict, dict]:
+def step_log(loss, accuracy, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,
+             sampler_logprobs) -> tuple[dict, dict]:
     """run.end_step's two arguments: the step's metrics (loss: the mean divergence per token; accuracy:
-    the checker's verdict on the student's samples, read only to watch) and what the student wrote."""
+    the checker's verdict on the student's samples, read only to watch; the sampler's gap to the trainer's
+    log-probs of the sampled tokens, [B, T] each) and what the student wrote."""
     metrics = {"loss": loss.item(), "accuracy": accuracy.mean().item(),
                "completion_length": completion_mask.sum(1).float().mean().item(),
                "sampled_tokens": int(completion_mask.sum()), "grad_norm": grad_norm.item(),
-               "learning_rate": scheduler.get_last_lr()[0]}
+               "learning_rate": scheduler.get_last_lr()[0],
+               **rollout.sampler_mismatch(logprobs, sampler_logprobs, completion_mask)}
     return metrics, {"prompt": prompts, "completion": completions, "right": accuracy.tolist()}
 
 
@@ -149,8 +152,9 @@ def main(cfg: Config):
         # 1. Rollout: the student's own completion of each of B prompts.
         step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"]]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature)  # [B, P] x 2, [B, T] x 2
+        prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature,
+            return_logprobs=True)  # [B, P] x 2, [B, T] x 3
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         right = torch.tensor([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
@@ -159,7 +163,7 @@ def main(cfg: Config):
         num_tokens = common.mean_denominator(completion_mask)  # the step's completion tokens (of every process)
 
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, logprobs = 0.0, torch.zeros_like(sampler_logprobs)  # logprobs [B, T]: the sampled tokens', for the log
         for rows in torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size):  # gradient accumulation
             # 2. The teacher's distribution at each of the student's positions.
             with torch.no_grad(), rollout.autocast(teacher):
@@ -171,11 +175,13 @@ def main(cfg: Config):
             micro_loss = distill_loss(student_logprobs, teacher_logprobs, completion_mask[rows], cfg.beta, num_tokens)
             micro_loss.backward()
             loss = loss + micro_loss.detach()
+            logprobs[rows] = student_logprobs.detach().gather(2, completion_ids[rows, :, None]).squeeze(2)
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
 
-        run.end_step(*step_log(loss, right, completion_mask, grad_norm, scheduler, prompts, completions))
+        run.end_step(*step_log(loss, right, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,
+                               sampler_logprobs))
 
     run.finish(tokenizer, {"": model}, {"divergence to the teacher (per token)": ["loss"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

@@ -49,7 +49,7 @@ ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (se
 LOSS_MODES = ("vanilla", "clip_cov", "kl_cov")  # Cui et al. 2025's remedies for a collapsing entropy (verl's names)
 
 @dataclass
-class Config(harness.RLConfig):
+class Config(harness.PolicyGradientConfig):
     """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
     LOSS_SCALES = ("beta", "entropy_coeff", "ppo_kl_coef")  # scale a loss term: named in the advice after a NaN
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
@@ -121,6 +121,7 @@ class Config(harness.RLConfig):
     gradient_accumulation_steps completions (prompts per step x num_generations)"""
 
     def check_together(self):
+        super().check_together()  # the sampler's correction (harness.PolicyGradientConfig)
         rows_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
         if rows_per_step % self.num_generations:
             common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({rows_per_step}) must be a "
@@ -279,7 +280,7 @@ def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="to
 
 
 def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
-                   importance_sampling_level="token", cispo=False) -> torch.Tensor:
+                   importance_sampling_level="token", cispo=False, sampler_weights=None) -> torch.Tensor:
     """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
@@ -288,6 +289,8 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
     eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
     l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
     pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
+    sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): w_it multiplies the policy term,
+    not the KL term, l_it = -w_it min(...) + beta k3_t (rollout.sampler_importance_weights: TIS).
     logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
     when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
     or the gradient."""
@@ -301,6 +304,8 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
         per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
+    if sampler_weights is not None:  # the tokens came from a sampler that is not this policy's pass
+        per_token = per_token * sampler_weights
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     return torch.where(mask, per_token, 0.0)
@@ -333,11 +338,12 @@ def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None):
+              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None,
+              sampler_weights=None):
     """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
     (aggregate). The arguments are theirs."""
     per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                               importance_sampling_level, cispo=loss_type == "cispo")  # [N, T]
+                               importance_sampling_level, loss_type == "cispo", sampler_weights)  # [N, T]
     return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
 
 
@@ -383,7 +389,8 @@ def covariance_tokens(logprobs, advantages, mask, mode: str, ratio: float, bound
 
 
 def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                       mode: str, ratio: float, bounds=(1.0, 5.0), coef: float = 1.0) -> torch.Tensor:
+                       mode: str, ratio: float, bounds=(1.0, 5.0), coef: float = 1.0,
+                       sampler_weights=None) -> torch.Tensor:
     """per_token_loss with one of Cui et al.'s remedies (mode 'clip_cov' or 'kl_cov') on the tokens
     covariance_tokens picks (ratio, bounds), as their code (verl, commit b178a3c):
 
@@ -398,10 +405,11 @@ def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, c
     old = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
     if mode == "kl_cov":  # an infinite clip range: min(ratio A, ratio A), no token clipped
         per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, float("inf"), beta,
-                                   float("inf"))  # [N, T]
+                                   float("inf"), sampler_weights=sampler_weights)  # [N, T]
         picked = covariance_tokens(logprobs, advantages, mask, mode, ratio)  # [N, T] bool
         return per_token + torch.where(picked, coef * (logprobs - old).abs(), 0.0)
-    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high)
+    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
+                               sampler_weights=sampler_weights)
     # which tokens the clip already holds: per_token_loss's own comparison, redone here (it returns the loss only)
     token_ratio, A = torch.exp(logprobs - old), advantages.unsqueeze(1)  # [N, T], [N, 1]
     high = clip_eps if epsilon_high is None else epsilon_high
@@ -410,24 +418,30 @@ def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, c
     return torch.where(picked, 0.0, per_token)
 
 
-def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask, entropy, cfg) -> torch.Tensor:
+def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask, entropy, cfg,
+              sampler_logprobs=None) -> torch.Tensor:
     """Step 5's loss from the settings: grpo_loss, unless a remedy is set (--loss_mode, --entropy_coeff). With
     --loss_mode clip_cov or kl_cov the token losses are cov_per_token_loss's; with an entropy bonus (verl's
     entropy_coeff; Williams & Peng 1991):
 
         loss = aggregate(l_it) - entropy_coeff * aggregate(H_it),    H_it = -sum_v pi(v) log pi(v)
 
-    entropy [N, T] must carry its gradient then (rollout.completion_logprobs_and_entropy(entropy_grad=True))."""
+    entropy [N, T] must carry its gradient then (rollout.completion_logprobs_and_entropy(entropy_grad=True)).
+    With --vllm_importance_sampling_correction each token's policy term is weighted by w_it
+    (rollout.sampler_importance_weights) from pi_old as the trainer computes it and the sampler's
+    sampler_logprobs [N, T]."""
+    trainer_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs  # pi_old by the trainer [N, T]
+    sampler_weights = cfg.sampler_weights(trainer_logprobs, sampler_logprobs, mask)  # None unless the correction is on
     if cfg.loss_mode == "vanilla":
         loss = grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta, cfg.loss_type,
                          step_mask=step_mask, epsilon_high=cfg.epsilon_high,
                          importance_sampling_level=cfg.importance_sampling_level,
-                         max_completion_length=cfg.max_completion_length)
+                         max_completion_length=cfg.max_completion_length, sampler_weights=sampler_weights)
     else:
         ratio = cfg.kl_cov_ratio if cfg.loss_mode == "kl_cov" else cfg.clip_cov_ratio
         per_token = cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta,
                                        cfg.epsilon_high, cfg.loss_mode, ratio, (cfg.clip_cov_lb, cfg.clip_cov_ub),
-                                       cfg.ppo_kl_coef)  # [N, T]
+                                       cfg.ppo_kl_coef, sampler_weights)  # [N, T]
         loss = aggregate(per_token, mask, cfg.loss_type, step_mask, cfg.max_completion_length)
     if cfg.entropy_coeff > 0:
         loss = loss - cfg.entropy_coeff * aggregate(torch.where(mask.bool(), entropy, 0.0), mask, cfg.loss_type,
@@ -498,6 +512,7 @@ def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, l
                **step_metrics(batch.rewards_per_func, batch.completion_mask, logprobs, old, ref_logprobs, advantages,
                               cfg, entropy),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
+               **rollout.sampler_mismatch(old, batch.sampler_logprobs, batch.completion_mask),  # pi_old's gap
                **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
                    cfg.num_generations} if rounds is not None else {})}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),
@@ -519,13 +534,14 @@ class Rollout:
     prompt_mask: torch.Tensor  # [N, P]
     completion_ids: torch.Tensor  # [N, T], right-padded
     completion_mask: torch.Tensor  # [N, T]: 1 on the sampled tokens, the EOS included
+    sampler_logprobs: torch.Tensor  # [N, T]: each sampled token's log-prob as the sampler computed it, 0 after EOS
     rewards_per_func: torch.Tensor  # [N, F]
 
     def select(self, keep: list[bool]) -> "Rollout":
         """The rows where keep is True."""
         return Rollout([p for p, k in zip(self.prompts, keep) if k], [c for c, k in zip(self.completions, keep) if k],
                        self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[keep],
-                       self.completion_mask[keep], self.rewards_per_func[keep])
+                       self.completion_mask[keep], self.sampler_logprobs[keep], self.rewards_per_func[keep])
 
 
 def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
@@ -534,14 +550,15 @@ def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
     G = cfg.num_generations
     # 1. Rollout: G samples of each of B prompts, groups contiguous.
     prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+    prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature, return_logprobs=True
+    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T], [B*G, T]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
     columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
     rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
-    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, rewards_per_func)
+    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
+                   rewards_per_func)
 
 
 NO_SPREAD = ("dynamic sampling found no group whose rewards differ in --max_sampling_rounds rounds (more rounds, a "
@@ -578,6 +595,7 @@ def dynamic_sampling(batch: Rollout, sample_more, group_size: int, num_groups: i
                    [c for part in kept for c in part.completions][:num_rows],
                    stack("prompt_ids", True, pad_token_id), stack("prompt_mask", True),
                    stack("completion_ids", False, pad_token_id), stack("completion_mask", False),
+                   stack("sampler_logprobs", False),
                    torch.cat([part.rewards_per_func for part in kept])[:num_rows]), rounds
 
 
@@ -651,7 +669,7 @@ def main(cfg: Config):
                     entropy_grad=cfg.entropy_coeff > 0)  # [n, T] each
                 micro_loss = step_loss(micro_logprobs, rows_or_none(old_logprobs, rows),  # grpo_loss by default
                                        rows_or_none(ref_logprobs, rows), advantages[rows], loss_mask[rows],
-                                       loss_mask, micro_entropy, cfg)
+                                       loss_mask, micro_entropy, cfg, batch.sampler_logprobs[rows])
                 micro_loss.backward()  # gradients add up over the micro-batches
                 loss = loss + micro_loss.detach()
                 logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()

@@ -149,13 +149,55 @@ class PolicyConfig(RunConfig):
 
 @dataclasses.dataclass
 class RLConfig(PolicyConfig):
-    """A script that trains a policy on its own samples (ppo.py, grpo.py, mix.py, dpo.py --online)."""
+    """A script that trains a policy on its own samples (ppo.py, grpo.py, mix.py, agent.py, distill.py, dpo.py
+    --online, rft.py)."""
     temperature: float = setting(1.0, lambda v: v >= 0.01, "at least 0.01 (below it the log-probs of the "
                                  "tempered distribution overflow to NaN; the evaluation has a greedy score)")
     """sampling temperature of the rollout (the log-probs are those of the same distribution)"""
     log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
     (0 = never)"""
+
+
+@dataclasses.dataclass
+class PolicyGradientConfig(RLConfig):
+    """A script whose loss is a policy gradient on its own samples (ppo.py, grpo.py, mix.py, agent.py): the
+    correction for a sampler that is not the trainer (rollout.sampler_importance_weights), under TRL's names,
+    though the sampler here is rollout.generate (on a GPU a bf16 copy of the weights), not vLLM."""
+    vllm_importance_sampling_correction: bool = False
+    """weight each token's policy-gradient term by pi_train / pi_sampler, bounded (TIS, Yao et al. 2025); off by
+    default (TRL's is on, for vLLM): on the CPU the sampler and the trainer agree to float32 rounding, and
+    sampling/sampling_logp_difference in metrics.jsonl shows the gap on any device"""
+    vllm_importance_sampling_mode: str = setting("token_truncate", lambda v: v in rollout.IS_MODES,
+                                                 "one of " + ", ".join(rollout.IS_MODES))
+    """with --vllm_importance_sampling_correction: token_truncate weighs each token by min(ratio, clip_max) (TIS;
+    TRL's default is sequence_mask); token_mask zeroes the tokens whose ratio is out of [clip_min, clip_max]; the
+    sequence_ modes do the same with each completion's product of ratios"""
+    vllm_importance_sampling_clip_max: float = setting(3.0, lambda v: v > 0, "positive")
+    """with --vllm_importance_sampling_correction: C, the cap on the ratio (TRL's default 3)"""
+    vllm_importance_sampling_clip_min: float | None = setting(None, lambda v: v is None or v >= 0,
+                                                              "0 or more (leave it out for no lower bound)")
+    """with --vllm_importance_sampling_correction: the lower bound on the ratio (none by default, as TRL)"""
+
+    def check_together(self):
+        for name in ("mode", "clip_max", "clip_min"):
+            if self.changed(f"vllm_importance_sampling_{name}") and not self.vllm_importance_sampling_correction:
+                fail(f"--vllm_importance_sampling_{name} belongs to the sampler's correction: add "
+                     "--vllm_importance_sampling_correction true, or leave it out")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if low is not None and low >= high:
+            fail(f"--vllm_importance_sampling_clip_min ({low}) must be below --vllm_importance_sampling_clip_max "
+                 f"({high})")
+
+    def sampler_weights(self, trainer_logprobs, sampler_logprobs, mask):
+        """The weights w of rollout.sampler_importance_weights at these settings ([N, T], or [N, 1] for the sequence
+        modes), from pi_old as the trainer computes it and as the sampler did; None when the correction is off."""
+        if not self.vllm_importance_sampling_correction:
+            return None
+        return rollout.sampler_importance_weights(trainer_logprobs, sampler_logprobs, mask,
+                                                  self.vllm_importance_sampling_mode,
+                                                  self.vllm_importance_sampling_clip_max,
+                                                  self.vllm_importance_sampling_clip_min)
 
 
 def run_setting(name: str, default=dataclasses.MISSING):

@@ -44,7 +44,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how the two terms average th
 
 
 @dataclass
-class Config(harness.RLConfig):
+class Config(harness.PolicyGradientConfig):
     """MIX's settings, then the GRPO settings it runs; the run's (model, data, batch, AdamW, evaluation,
     LoRA, ...) are harness.RLConfig's."""
     LOSS_SCALES = ("beta",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
@@ -77,6 +77,7 @@ class Config(harness.RLConfig):
     gradient_accumulation_steps rows are the usual rows (prompts per step x num_generations) + the expert rows"""
 
     def check_together(self):
+        super().check_together()  # the sampler's correction (harness.PolicyGradientConfig)
         rows_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
         num_usual = rows_per_step - math.ceil(self.expert_data_ratio * rows_per_step)  # B*G: the rollouts
         if num_usual < self.num_generations or num_usual % self.num_generations:
@@ -147,7 +148,7 @@ def sft_loss(logprobs, mask, loss_type="grpo", step_mask=None, max_completion_le
 
 
 def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
-             step_masks=None, epsilon_high=None, max_completion_length=None):
+             step_masks=None, epsilon_high=None, max_completion_length=None, sampler_weights=None):
     """MIX's objective (note 001), as a loss to minimise:
         loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
     expert_mask [N] (bool) routes each row. A usual row (False) is a rollout of the policy: the
@@ -156,7 +157,8 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
     no ratio, and no KL: k3 estimates KL(pi || pi_ref) only on tokens pi sampled). A term with no
     rows is 0. logprobs, old_logprobs (None: pi_old = pi), ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
     whole step's (mask, expert_mask) when these rows are one micro-batch of it, so each term is
-    divided by the step's counts. Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
+    divided by the step's counts. sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): the
+    usual rows' weights w (per_token_loss). Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
     KL's place, the micro-batch weights): docs/mix.md."""
     usual = ~expert_mask
     step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
@@ -164,8 +166,10 @@ def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask
     if usual.any():
         old = old_logprobs[usual] if old_logprobs is not None else None  # None: pi_old = pi
         ref = ref_logprobs[usual] if ref_logprobs is not None else None
+        weights = sampler_weights[usual] if sampler_weights is not None else None
         grpo_term = grpo_loss(logprobs[usual], old, ref, advantages[usual], mask[usual], clip_eps, beta, loss_type,
-                              step_mask[~step_is_expert], epsilon_high, max_completion_length=max_completion_length)
+                              step_mask[~step_is_expert], epsilon_high, max_completion_length=max_completion_length,
+                              sampler_weights=weights)
     if expert_mask.any():
         sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, step_mask[step_is_expert],
                             max_completion_length)
@@ -191,16 +195,18 @@ def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, exp
 
 
 def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy, completion_mask, loss,
-             grad_norm, scheduler, cfg) -> tuple[dict, dict]:
+             grad_norm, scheduler, cfg, sampler_logprobs) -> tuple[dict, dict]:
     """Step 6, run.end_step's two arguments: the metrics (the loss, grpo.py's step_metrics on the rollouts, the grad
-    norm, the learning rate, mix_metrics) and the rollouts' completions.jsonl columns. old_logprobs None: pi."""
+    norm, the learning rate, mix_metrics, the sampler's gap to the trainer) and the rollouts' completions.jsonl
+    columns. old_logprobs None: pi."""
     old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
     metrics = {"loss": loss.item(),
                **step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
                               ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
                               entropy[usual]),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-               **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg)}
+               **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg),
+               **rollout.sampler_mismatch(old[usual], sampler_logprobs[usual], completion_mask[usual])}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages[usual].tolist(),
                    **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
                       for i, f in enumerate(REWARD_FUNCS)}}
@@ -254,6 +260,8 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
         T = completion_ids.shape[1]
+        # the rollouts' sampler log-probs, widened to T; 0 on the expert rows, which no sampler wrote: [B*G+E, T]
+        sampler_logprobs = F.pad(batch.sampler_logprobs, (0, T - batch.completion_ids.shape[1], 0, num_expert))
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
         ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed; None: not computed
         if cfg.beta > 0:
@@ -272,12 +280,14 @@ def main(cfg: Config):
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
+                micro_old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()  # trainer's
                 micro_loss = mix_loss(
                     micro_logprobs, old_logprobs[rows] if old_logprobs is not None else None,
                     ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], completion_mask[rows],
                     expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                     loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                    step_masks=(completion_mask, expert_mask))
+                    step_masks=(completion_mask, expert_mask),
+                    sampler_weights=cfg.sampler_weights(micro_old, sampler_logprobs[rows], completion_mask[rows]))
                 micro_loss.backward()  # gradients add up over the micro-batches
                 loss = loss + micro_loss.detach()
                 logprobs[rows] = micro_logprobs.detach()
@@ -287,7 +297,7 @@ def main(cfg: Config):
 
         # 6. Log grpo.py's metrics on the rollouts, MIX's terms and what the policy wrote; when due: evaluate, save.
         run.end_step(*step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
-                               completion_mask, loss, grad_norm, scheduler, cfg))
+                               completion_mask, loss, grad_norm, scheduler, cfg, sampler_logprobs))
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
@@ -371,7 +381,7 @@ def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="to
 
 
 def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
-                   importance_sampling_level="token", cispo=False) -> torch.Tensor:
+                   importance_sampling_level="token", cispo=False, sampler_weights=None) -> torch.Tensor:
     """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
 
         ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
@@ -380,6 +390,8 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
     eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
     l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
     pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
+    sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): w_it multiplies the policy term,
+    not the KL term, l_it = -w_it min(...) + beta k3_t (rollout.sampler_importance_weights: TIS).
     logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
     when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
     or the gradient."""
@@ -393,6 +405,8 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
         per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
+    if sampler_weights is not None:  # the tokens came from a sampler that is not this policy's pass
+        per_token = per_token * sampler_weights
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     return torch.where(mask, per_token, 0.0)
@@ -425,11 +439,12 @@ def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None):
+              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None,
+              sampler_weights=None):
     """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
     (aggregate). The arguments are theirs."""
     per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                               importance_sampling_level, cispo=loss_type == "cispo")  # [N, T]
+                               importance_sampling_level, loss_type == "cispo", sampler_weights)  # [N, T]
     return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
 
 
@@ -491,13 +506,14 @@ class Rollout:
     prompt_mask: torch.Tensor  # [N, P]
     completion_ids: torch.Tensor  # [N, T], right-padded
     completion_mask: torch.Tensor  # [N, T]: 1 on the sampled tokens, the EOS included
+    sampler_logprobs: torch.Tensor  # [N, T]: each sampled token's log-prob as the sampler computed it, 0 after EOS
     rewards_per_func: torch.Tensor  # [N, F]
 
     def select(self, keep: list[bool]) -> "Rollout":
         """The rows where keep is True."""
         return Rollout([p for p, k in zip(self.prompts, keep) if k], [c for c, k in zip(self.completions, keep) if k],
                        self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[keep],
-                       self.completion_mask[keep], self.rewards_per_func[keep])
+                       self.completion_mask[keep], self.sampler_logprobs[keep], self.rewards_per_func[keep])
 
 
 def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
@@ -506,14 +522,15 @@ def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
     G = cfg.num_generations
     # 1. Rollout: G samples of each of B prompts, groups contiguous.
     prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T]
+    prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature, return_logprobs=True
+    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T], [B*G, T]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
     columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
     rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
-    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, rewards_per_func)
+    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
+                   rewards_per_func)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,9 @@ from common import setting
 
 
 @dataclass
-class Config(harness.RLConfig):
-    """PPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
+class Config(harness.PolicyGradientConfig):
+    """PPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, the sampler's correction, ...) are
+    harness.PolicyGradientConfig's."""
     LOSS_SCALES = ("kl_coef",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
     reward_model: str = "out/rm"
     """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
@@ -95,6 +96,7 @@ class Config(harness.RLConfig):
     """the actor's (the critic's: --critic_learning_rate)"""
 
     def check_together(self):
+        super().check_together()  # the sampler's correction (harness.PolicyGradientConfig)
         if self.per_device_train_batch_size % self.num_mini_batches:
             common.fail(f"--per_device_train_batch_size ({self.per_device_train_batch_size}) must be a multiple of "
                         f"--num_mini_batches ({self.num_mini_batches})")
@@ -220,17 +222,20 @@ def masked_mean(values, mask, step_tokens=None):
     return torch.where(mask, values, 0.0).sum() / tokens
 
 
-def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_tokens=None):
+def ppo_actor_loss(logprobs, old_logprobs, advantages, mask, clip_eps, step_tokens=None, sampler_weights=None):
     """PPO's clipped surrogate, as a loss (note 000's actor_loss_fn), token mean over the batch:
         ratio = exp(logp - old_logp)
-        l_t   = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))
-    logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean.
+        l_t   = max(-A_t * ratio, -A_t * clip(ratio, 1 - eps, 1 + eps))      (times w_t with sampler_weights)
+    logprobs, old_logprobs, advantages, mask [B, T]; step_tokens: see masked_mean; sampler_weights [B, T] or
+    [B, 1]: the sampler's correction w (--vllm_importance_sampling_correction: rollout.sampler_importance_weights).
     What the clip limits, and what not: docs/foundations.md#what-the-clip-limits"""
     mask = mask.bool()
     log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)  # junk on padding never reaches exp
     ratio = torch.exp(log_ratio)
     A = torch.where(mask, advantages, 0.0)
     loss = torch.max(-A * ratio, -A * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps))
+    if sampler_weights is not None:  # the tokens came from a sampler that is not the actor's pass
+        loss = loss * sampler_weights
     return masked_mean(loss, mask, step_tokens)
 
 
@@ -299,6 +304,7 @@ def step_metrics(exp, answers, updates, kl_coef: float, scheduler) -> dict:
         "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
         "completion_length": mask.sum(dim=1).float().mean().item(),
         "kl_coef": kl_coef, "learning_rate": scheduler.get_last_lr()[0],
+        **rollout.sampler_mismatch(old_logprobs, exp.sampler_logprobs, mask),  # pi_old: the sampler's, the trainer's
     }
 
 
@@ -340,6 +346,8 @@ class Experience:
     mask: torch.Tensor  # [B, T] 1 on each completion's real tokens
     score: torch.Tensor  # [B] the reward model's score (or the checker's)
     old_logprobs: torch.Tensor  # [B, T] pi_old, the actor that sampled
+    sampler_logprobs: torch.Tensor  # [B, T] the same tokens' log-probs as the sampler computed them
+    sampler_weights: torch.Tensor | None  # [B, T] or [B, 1]: --vllm_importance_sampling_correction's w, or None
     ref_logprobs: torch.Tensor  # [B, T] pi_ref
     old_values: torch.Tensor  # [B, T] V_old
     rewards: torch.Tensor  # [B, T] -kl_coef * (logp - ref_logp), plus the clipped score on the last token
@@ -353,9 +361,9 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
     """Steps 1 to 4 of the module docstring for B prompts (answers: None on prompt-only data)."""
     # 1. Rollout: the actor decodes one completion per prompt.
     prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in questions]
-    prompt_ids, prompt_mask, completion_ids, mask = rollout.generate(
-        actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature
-    )  # [B, P], [B, P], [B, T], [B, T]
+    prompt_ids, prompt_mask, completion_ids, mask, sampler_logprobs = rollout.generate(
+        actor, tokenizer, prompts, cfg.max_completion_length, cfg.temperature, return_logprobs=True
+    )  # [B, P], [B, P], [B, T], [B, T], [B, T]
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
     attention_mask = torch.cat([prompt_mask, mask], dim=1)  # [B, P+T]
@@ -383,6 +391,7 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
         old_values = rollout.inference(critic_values, critic, input_ids, attention_mask, T,
                                        micro_batches=micro_batches)  # [B, T]
 
+    sampler_weights = cfg.sampler_weights(old_logprobs, sampler_logprobs, mask)  # None unless the correction is on
     with torch.no_grad():
         # 3. Per-token rewards: the KL to the reference, and the clipped score on the last token.
         rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
@@ -390,8 +399,8 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
         advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
         if cfg.whiten_advantages:
             advantages = whiten(advantages, mask)
-    return Experience(prompts, completions, input_ids, attention_mask, mask, score, old_logprobs, ref_logprobs,
-                      old_values, rewards, advantages, returns, first_pass)
+    return Experience(prompts, completions, input_ids, attention_mask, mask, score, old_logprobs, sampler_logprobs,
+                      sampler_weights, ref_logprobs, old_values, rewards, advantages, returns, first_pass)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,8 +489,9 @@ def main(cfg: Config):
                     micro = (training_pass(actor, critic, exp.input_ids[rows], exp.attention_mask[rows], T,
                                            cfg.temperature) if exp.first_pass is None  # [b', T] each
                              else exp.first_pass.of(rows))  # Speed: makes_one_update's pass, run already
+                    weights = exp.sampler_weights[rows] if exp.sampler_weights is not None else None  # the correction
                     micro_actor_loss = ppo_actor_loss(micro.logprobs, exp.old_logprobs[rows], exp.advantages[rows],
-                                                      exp.mask[rows], cfg.cliprange, step_tokens)
+                                                      exp.mask[rows], cfg.cliprange, step_tokens, weights)
                     micro_critic_loss = ppo_critic_loss(micro.values, exp.old_values[rows], exp.returns[rows],
                                                         exp.mask[rows], cfg.cliprange_value, step_tokens)
                     micro_actor_loss.backward()  # gradients add up over the micro-batches

@@ -5,6 +5,8 @@ gives each of their tokens. Every script calls these two; read them before any a
     logprobs = completion_logprobs(model, input_ids, attention_mask, T)          # [N, T]
     ref_logprobs = inference(completion_logprobs, ref_model, input_ids, attention_mask, T,
                              micro_batches=micro_batches)     # no gradient, a micro-batch at a time
+    *_, sampler_logprobs = generate(..., return_logprobs=True)     # [N, T]: the sampler's own, for
+    sampler_mismatch(logprobs, sampler_logprobs, completion_mask)  # the gap to the trainer's (and TIS)
 
 A batch is laid out as [left-padded prompt | right-padded completion]: every completion starts at
 column P, and position ids count real tokens only, so padding changes no value. Shapes: N rows (a
@@ -70,7 +72,7 @@ def timed(part: str):
 @timed("generation")
 @torch.no_grad()  # not inference_mode: the ids it returns go into forward passes that need grads
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 1.0, greedy=False,
-             share_prompts=True, drop_finished=True, grow_in_place=True, static_cache=None):
+             share_prompts=True, drop_finished=True, grow_in_place=True, static_cache=None, return_logprobs=False):
     """Rollout: the policy writes a completion for each prompt, one token at a time (KV cache).
 
     At each step: logits of the last position -> sample a token from softmax(logits / temperature)
@@ -82,13 +84,16 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
     where it fits), off on the CPU, where the loop below runs.
 
     Returns prompt_ids [N, P], prompt_mask [N, P], completion_ids [N, T], completion_mask [N, T],
-    T the longest completion.
+    T the longest completion; with return_logprobs also sampler_logprobs [N, T], each sampled token's
+    log-prob under the distribution it was drawn from, as the sampler computed it (0 after EOS): the
+    trainer's pass computes the same numbers its own way, and sampler_mismatch says how far apart they are.
     """
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     # [N, max_new_tokens]
     completion_ids = torch.full((len(prompts), max_new_tokens), tokenizer.pad_token_id, device=device)
+    sampler_logprobs = torch.zeros(len(prompts), max_new_tokens, device=device) if return_logprobs else None
     was_training = model.training
     model.eval()  # no dropout while sampling; and gradient checkpointing would switch the KV cache off
     with distributed.gathered(model), autocast(model):
@@ -101,7 +106,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
         if static_cache is None:
             static_cache = static_cache_fits(model, cache)
         if static_cache:  # Speed: the loop below on a KV cache of fixed size, each token one replay of a CUDA graph
-            t = decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature, greedy)
+            t = decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature, greedy,
+                              sampler_logprobs)
         else:
             if grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
                 make_room(cache, max_new_tokens)
@@ -111,6 +117,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
             for t in range(max_new_tokens):
                 next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [b]
                 completion_ids[rows, t] = torch.where(done[rows], tokenizer.pad_token_id, next_tokens)
+                if return_logprobs:
+                    sampler_logprobs[rows, t] = token_logprobs(logits[:, -1].float(), next_tokens, temperature)
                 done[rows] |= next_tokens == tokenizer.eos_token_id
                 if t == max_new_tokens - 1 or done.all():
                     break
@@ -125,7 +133,10 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
                                position_ids=positions[:, None], **{CACHE: cache}, use_cache=True).logits  # [b, 1, V]
     model.train(was_training)
     completion_ids = completion_ids[:, : t + 1]  # [N, T]: up to the longest completion
-    return prompt_ids, prompt_mask, completion_ids, mask_after_eos(completion_ids, tokenizer.eos_token_id)
+    completion_mask = mask_after_eos(completion_ids, tokenizer.eos_token_id)  # [N, T]
+    if return_logprobs:
+        return prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs[:, : t + 1] * completion_mask
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
 def next_token(logits: torch.Tensor, temperature: float, greedy: bool) -> torch.Tensor:
@@ -135,6 +146,12 @@ def next_token(logits: torch.Tensor, temperature: float, greedy: bool) -> torch.
     if greedy:
         return logits.argmax(dim=-1)
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1).squeeze(1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] for each row: logits [b, V], tokens [b] -> [b]. The
+    sampler's log-prob of the token it wrote (next_token's distribution; greedy rows score their argmax)."""
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def mask_after_eos(completion_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -314,6 +331,64 @@ def last_hidden_states(model, input_ids, attention_mask):
 
 
 # ---------------------------------------------------------------------------------------------
+# The sampler is not the trainer: their log-probs, how far apart, and the correction (TIS)
+# ---------------------------------------------------------------------------------------------
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's names
+
+
+@torch.no_grad()
+def sampler_mismatch(logprobs, sampler_logprobs, mask) -> dict:
+    """How far the trainer's log-probs of the sampled tokens (logprobs [N, T], its pass over the policy
+    that sampled: pi_old) are from the sampler's own (sampler_logprobs [N, T], generate's), over the
+    real tokens (mask [N, T]). With d_t = log pi_train(y_t) - log pi_sampler(y_t):
+
+        sampling/sampling_logp_difference/mean   mean |d_t|     (TRL's names)
+        sampling/sampling_logp_difference/max    max |d_t|
+        sampling/kl                              mean of exp(d_t) - d_t - 1: the k3 estimate of
+                                                 KL(pi_sampler || pi_train) (the tokens are the sampler's draws)
+
+    On the CPU both are float32 passes of the same weights, apart only by summation order; on a GPU
+    the sampler is a bf16 copy (static_cache), and the gap is what TIS corrects:
+    docs/scaling.md#the-sampler-is-not-the-trainer"""
+    mask = mask.bool()
+    d = torch.where(mask, logprobs - sampler_logprobs, 0.0)[mask].double()  # [tokens]
+    if d.numel() == 0:
+        return {}
+    return {"sampling/sampling_logp_difference/mean": d.abs().mean().item(),
+            "sampling/sampling_logp_difference/max": d.abs().max().item(),
+            "sampling/kl": (torch.expm1(d) - d).mean().item()}  # expm1: d ~ 1e-7 would cancel to 0 in exp(d) - 1
+
+
+@torch.no_grad()
+def sampler_importance_weights(logprobs, sampler_logprobs, mask, mode: str = "token_truncate",
+                               clip_max: float = 3.0, clip_min: float | None = None) -> torch.Tensor:
+    """The weight that corrects the policy gradient for tokens drawn from the sampler, not from the
+    policy the trainer computes (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL
+    Systems"; TRL's vllm_importance_sampling_correction, grpo_trainer.py's _generate_and_score_completions):
+
+        rho_t = pi_train(y_t) / pi_sampler(y_t) = exp(logprobs - sampler_logprobs)    (detached: a weight)
+        token_truncate     w_t = min(rho_t, C)               TIS (with clip_min c: clamp(rho_t, c, C))
+        token_mask         w_t = rho_t where c <= rho_t <= C, else 0
+        sequence_truncate  w_i = clamp(prod_t rho_t, c, C), the same for every token of completion i
+        sequence_mask      w_i = prod_t rho_t where c <= it <= C, else 0
+
+    C = clip_max, c = clip_min (None: no lower bound). Each script multiplies its policy-gradient term
+    per token by w (the KL penalty is not weighted, as in TRL). The cap bounds the variance the weight
+    adds; where the sampler is exact (rho = 1) every mode gives 1. logprobs, sampler_logprobs, mask
+    [N, T] -> [N, T], or [N, 1] for the sequence modes (padding counts as rho 1; its loss is masked anyway)."""
+    log_rho = torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0)  # [N, T]
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(dim=1, keepdim=True)  # [N, 1]: log of the product of the token ratios
+    rho = torch.exp(log_rho)
+    low = 0.0 if clip_min is None else clip_min
+    if mode.endswith("truncate"):
+        return rho.clamp(min=low, max=clip_max)
+    if mode.endswith("mask"):
+        return torch.where((rho >= low) & (rho <= clip_max), rho, 0.0)
+    raise ValueError(f"unknown vllm_importance_sampling_mode {mode!r}: one of {', '.join(IS_MODES)}")
+
+
+# ---------------------------------------------------------------------------------------------
 # The prompt cache (the speed-up share_prompts), the batch layout, precision
 # ---------------------------------------------------------------------------------------------
 def distinct_prompts(model, prompt_ids, prompt_mask):
@@ -454,11 +529,12 @@ def static_cache_refusal(model, cache) -> str | None:
     return None
 
 
-def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature: float, greedy: bool):
+def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, temperature: float, greedy: bool,
+                  sampler_logprobs=None):
     """generate's decode loop on a KV cache of fixed size, each new token one replay of a step
     captured once per batch shape as a CUDA graph (on the CPU, where the tests run it, uncaptured).
     cache and logits [N, 1, V]: the prompts' run (prefill, as in the plain loop); completion_ids
-    [N, max_new_tokens] is filled in. Returns the last step t.
+    [N, max_new_tokens] is filled in, and sampler_logprobs (the same shape) where given. Returns the last step t.
     Speed: one replay of decode_step (fewer, larger kernels) in place of the ~1,900 kernel launches a token
     of a 0.5B model's forward. Greedy tokens match the plain loop's up to near-ties; sampled ones come from the same
     distribution. The layout, and why tokens may differ: docs/scaling.md#the-rollout-on-a-gpu-the-static-cache"""
@@ -473,6 +549,8 @@ def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, 
     for t in range(max_new_tokens):
         next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [N]
         completion_ids[:, t] = torch.where(done, tokenizer.pad_token_id, next_tokens)
+        if sampler_logprobs is not None:  # the bf16 copy's log-probs on a GPU: what the sampler drew from
+            sampler_logprobs[:, t] = token_logprobs(logits[:, -1].float(), next_tokens, temperature)
         done |= next_tokens == tokenizer.eos_token_id
         if t == max_new_tokens - 1 or done.all():
             break

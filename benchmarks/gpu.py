@@ -1,10 +1,11 @@
 """The GPU track: the scripts on one CUDA GPU, bf16 autocast on as they use it (rollout.autocast),
-with only what a GPU machine without internet has. Four parts, each one function below:
+with only what a GPU machine without internet has. Five parts, each one function below:
 
-    python benchmarks/gpu.py                       # parts a, b, c and d; figures to out/gpu.json
+    python benchmarks/gpu.py                       # parts a, b, c, d and e; figures to out/gpu.json
     python benchmarks/gpu.py --parts a             # one part at a time
     python benchmarks/gpu.py --parts b c --steps 6 --completions 32 --max_completion_length 64
     python benchmarks/gpu.py --parts d --steps 3   # the rollout, about 5 minutes on an H100
+    python benchmarks/gpu.py --parts e --tiny_model out/tiny_sft --rl_steps 60   # the sampler's gap, TIS
 
   (a) the tiny-model chain at the README's defaults (shorter with --sft_steps, --rm_steps,
       --rl_steps): sft.py, then grpo.py, reward_model.py and ppo.py from it, into out/gpu_chain/.
@@ -20,7 +21,14 @@ with only what a GPU machine without internet has. Four parts, each one function
       --max_completion_length sampled tokens. Then greedy tokens and log-probs of the two paths
       compared (there and on the tiny model), and grpo.py's s/step with the static cache on and off,
       full and LoRA (--steps steps each; the runs save no weights, which no step time includes).
-      The greedy comparison runs first on a tiny model (--tiny_model, or random weights).
+      The greedy comparison runs first on a tiny model (--tiny_model, or random weights). The GRPO runs
+      also give the gap between the sampler's log-probs and the trainer's that grpo.py logs.
+  (e) the sampler against the trainer: the tiny model, (b)'s model and it with LoRA r = 16 sample
+      --completions rows with rollout.generate (static cache, then plain loop), whose log-probs of
+      their tokens are compared with the trainer's pass (bf16 autocast, as the scripts run) and with an
+      fp32 pass (rollout.sampler_mismatch: mean and max |log ratio|, KL). Then, from a trained
+      --tiny_model, grpo.py with --vllm_importance_sampling_correction off and on, --tis_seeds seeds
+      of --rl_steps steps: whether the correction changes a run.
 
 Each run is one script in its own process (so its peak is its own). s/step is the median of the
 `time/step` of its metrics.jsonl, the first step (a warm-up) left out; CUDA runs asynchronously,
@@ -196,6 +204,7 @@ def run_script(script: str, args: list, output_dir: str, **options) -> dict:
     gib = lambda size: size / 2**30 if size is not None else None  # noqa: E731
     return {"steps": max(row["step"] for row in rows), "s_per_step": median_step_seconds(rows),
             "generation_s": median_step_seconds(rows, "time/generation"),
+            "gap_max": median_step_seconds(rows, "sampling/sampling_logp_difference/max"),  # the sampler's
             "parts_s": {key.removeprefix("time/"): median_step_seconds(rows, key) for key in rows[-1]
                         if key.startswith("time/") and key not in ("time/step", "time/elapsed")},
             "cuda": peak["cuda"], "peak_gib": gib(peak["peak_allocated"]), "reserved_gib": gib(peak["peak_reserved"]),
@@ -702,16 +711,147 @@ def rollout_tables(figures: dict) -> str:
           f"{row.get('rows_parted', '-')} ({row.get('parted_not_at_near_tie', '-')})", percent(row.get("near_ties")),
           show(row.get("logprob_max_abs_difference"), "", 4), show(row.get("worst_difference_over_bound"), "", 3),
           percent(row.get("rows_identical"))] for row in figures["greedy"]])
-    steps = markdown_table(["grpo.py", "s/step", "rollout part (time/generation)", "peak GPU (allocated)"],
+    gap = any(row.get("gap_max") is not None for row in figures["grpo"])  # (runs before grpo.py logged it: none)
+    steps = markdown_table(["grpo.py", "s/step", "rollout part (time/generation)", "peak GPU (allocated)",
+                            *(["sampler's gap, largest abs log ratio (median)"] if gap else [])],
                            [[row["setting"], row.get("error") or show(row.get("s_per_step"), " s", 2),
-                             show(row.get("generation_s"), " s", 2), show(row.get("peak_gib"), " GiB")]
-                            for row in figures["grpo"]])
+                             show(row.get("generation_s"), " s", 2), show(row.get("peak_gib"), " GiB"),
+                             *([show(row.get("gap_max"), "", 4)] if gap else [])] for row in figures["grpo"]])
     return "\n\n".join([seconds, greedy, steps])
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) The sampler against the trainer, and whether the correction (TIS) changes a run
+# ---------------------------------------------------------------------------------------------
+def sampler_gap(model, tokenizer, prompts: list, max_new_tokens: int, static_cache: bool) -> dict:
+    """Sample with rollout.generate (return_logprobs) on one path, then score the same tokens with the
+    trainer's pass as the scripts run it (bf16 autocast on a GPU) and in fp32 (autocast off):
+    rollout.sampler_mismatch of the sampler against each, and of the two trainer passes against each other."""
+    import torch
+
+    _, rollout = import_repo()
+    torch.manual_seed(0)
+    prompt_ids, prompt_mask, ids, mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, prompts, max_new_tokens, static_cache=static_cache, return_logprobs=True)
+    input_ids, attention_mask, T = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1), ids.shape[1]
+    with torch.no_grad():
+        trainer = rollout.completion_logprobs(model, input_ids, attention_mask, T)  # [N, T]
+        with without_autocast(rollout):
+            fp32 = rollout.completion_logprobs(model, input_ids, attention_mask, T)
+    short = lambda gap: {key.rsplit("/", 1)[-1] if "difference" in key else "kl": value  # noqa: E731
+                         for key, value in gap.items()}
+    return {"tokens": int(mask.sum()), "vs_trainer": short(rollout.sampler_mismatch(trainer, sampler_logprobs, mask)),
+            "vs_fp32": short(rollout.sampler_mismatch(fp32, sampler_logprobs, mask)),
+            "trainer_vs_fp32": short(rollout.sampler_mismatch(fp32, trainer, mask))}
+
+
+def tis_runs(args, workdir: str, measured):
+    """grpo.py from the trained tiny model (--tiny_model) with the correction off and on (token_truncate,
+    C = 3), --tis_seeds seeds each, --rl_steps steps: the held-out accuracy after, the mean reward of the
+    last 20 steps, and the median gap the run logged."""
+    lines = []
+    for seed in range(args.tis_seeds):
+        for name, extra in (("off", []), ("on", ["--vllm_importance_sampling_correction", "true"])):
+            print(f"    grpo.py, seed {seed}, correction {name}", flush=True)
+            output_dir = os.path.join(workdir, f"tis_{name}_{seed}")
+            row = run_script("grpo.py", ["--model", args.tiny_model, "--max_steps", str(args.rl_steps), "--seed",
+                                         str(seed), "--eval_on_start", "false", *extra], output_dir, no_saves=True)
+            if "error" not in row:
+                with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+                    rows = [json.loads(line) for line in f if '"reward"' in line]
+                row["last_20_reward"] = statistics.mean(r["reward"] for r in rows[-20:])
+                row["gap_max_median"] = statistics.median(r["sampling/sampling_logp_difference/max"] for r in rows)
+                row["gap_kl_median"] = statistics.median(r["sampling/kl"] for r in rows)
+            shutil.rmtree(output_dir, ignore_errors=True)
+            measured("tis", {"seed": seed, "correction": name, **row})
+            lines.append(row)
+    return lines
+
+
+def part_e(args, save, shapes: dict = QWEN25_05B) -> dict:
+    """The sampler's log-probs against the trainer's: on the tiny model (--tiny_model, or random weights), (b)'s
+    random model and it with LoRA r = 16, each sampled with the static cache and with the plain loop; then, from
+    a trained tiny model, grpo.py with the correction off and on. save(figures so far) after each measurement.
+    Without CUDA (the tests) it runs on the CPU, where every pass is fp32 and the gaps are float32 rounding."""
+    import torch
+
+    common, rollout = import_repo()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = common.build_tokenizer()
+    with open(os.path.join(ROOT, "data", "arithmetic", "test.jsonl")) as f:
+        questions = [json.loads(line)["question"] for line in f][: args.completions // 8]
+    prompts = [common.make_prompt(tokenizer, question) for question in questions for _ in range(8)]
+    figures = {"rows": len(prompts), "new_tokens": args.max_completion_length, "gap": [], "tis": []}
+
+    def measured(kind: str, row: dict):
+        figures[kind].append(row)
+        save(figures)
+        print(f"    {kind}: {row}", flush=True)
+
+    def gaps(name: str, model):
+        for static_cache in (True, False):
+            path = "static cache" if static_cache else "plain loop"
+            measured("gap", {"model": name, "sampler": path, **attempt(
+                f"{name}, {path}", sampler_gap, model, tokenizer, prompts, args.max_completion_length, static_cache)})
+
+    print(f"(e) the sampler against the trainer: {len(prompts)} rows, {args.max_completion_length} sampled tokens",
+          flush=True)
+    torch.manual_seed(0)
+    tiny = common.load_model(args.tiny_model)[0] if args.tiny_model else common.build_tiny_model(tokenizer)
+    gaps(f"tiny ({args.tiny_model or 'random weights'})", tiny.to(device))
+    del tiny
+    os.makedirs(os.path.join(ROOT, "out"), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=os.path.join(ROOT, "out")) as workdir:
+        folder = os.path.join(workdir, "model")
+        figures["model"] = build_random_model(folder, shapes)
+        model, _ = common.load_model(folder)
+        gaps("full", model.to(device))
+        model = common.add_lora(model, LoraSettings)
+        with torch.no_grad():  # B starts at 0 (the adapter changes nothing then): random, as after training
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.02)
+        gaps("LoRA r=16", model)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        if args.tiny_model and args.tis_seeds:
+            tis_runs(args, workdir, measured)
+        else:
+            figures["tis_skipped"] = ("no grpo.py runs with and without the correction: they need a trained "
+                                      "--tiny_model and --tis_seeds of 1 or more")
+    print(gap_tables(figures))
+    return figures
+
+
+def gap_tables(figures: dict) -> str:
+    """Part (e)'s tables: the gaps, and the runs with the correction off and on."""
+    def e(value) -> str:  # gaps span float32 rounding (1e-7) to bf16's (1e-2): in scientific notation
+        return "-" if value is None else f"{value:.2e}"
+
+    def cells(gap):
+        return [e(gap.get("mean")), e(gap.get("max")), e(gap.get("kl"))]
+
+    gap = markdown_table(
+        ["model", "sampler", "tokens", "vs trainer: mean abs d", "max abs d", "KL", "vs fp32: mean abs d", "max abs d",
+         "KL", "trainer vs fp32: max abs d"],
+        [[row["model"], row["sampler"], row.get("error") or row.get("tokens"), *cells(row.get("vs_trainer", {})),
+          *cells(row.get("vs_fp32", {})), e(row.get("trainer_vs_fp32", {}).get("max"))]
+         for row in figures["gap"]])
+    percent = lambda value: show(None if value is None else 100 * value, "%")  # noqa: E731
+    tis = markdown_table(
+        ["seed", "correction", "held-out greedy", "sampled", "reward, last 20 steps", "gap, max abs d (median)",
+         "KL (median)", "s/step"],
+        [[row["seed"], row["correction"], row.get("error") or percent(row.get("after", {}).get("accuracy_greedy")),
+          percent(row.get("after", {}).get("accuracy_sampled")), show(row.get("last_20_reward"), "", 3),
+          e(row.get("gap_max_median")), e(row.get("gap_kl_median")),
+          show(row.get("s_per_step"), " s", 2)] for row in figures["tis"]])
+    return gap + "\n\n" + (tis if figures["tis"] else figures.get("tis_skipped", ""))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["a", "b", "c", "d"], default=["a", "b", "c", "d"],
+    parser.add_argument("--parts", nargs="+", choices=["a", "b", "c", "d", "e"], default=["a", "b", "c", "d", "e"],
                         help="parts to run")
     parser.add_argument("--steps", type=int, default=4,
                         help="(b), (c), (d): steps per grpo.py run (the first is a warm-up)")
@@ -722,8 +862,11 @@ def main():
     parser.add_argument("--rm_steps", type=int, default=600, help="(a): reward_model.py's steps (its default)")
     parser.add_argument("--rl_steps", type=int, default=120, help="(a): grpo.py's and ppo.py's steps (their default)")
     parser.add_argument("--tiny_model", default=None,
-                        help="(d): the tiny model of the first greedy comparison, e.g. an sft.py output folder "
-                             "(default: random weights, whose flat logits tie nearly everywhere)")
+                        help="(d), (e): the tiny model of the first comparison, e.g. an sft.py output folder "
+                             "(default: random weights, whose flat logits tie nearly everywhere); (e)'s runs with and "
+                             "without the correction start from it (none without it)")
+    parser.add_argument("--tis_seeds", type=int, default=2,
+                        help="(e): seeds of grpo.py with the correction off and on (--rl_steps steps each)")
     parser.add_argument("--output", default=None, help="where the figures go, as JSON (default: out/gpu.json)")
     args = parser.parse_args()
     if args.completions % 8:
@@ -757,7 +900,7 @@ def main():
             json.dump(results, f, indent=2)
 
     for part in args.parts:
-        save(part, {"a": part_a, "b": part_b, "c": part_c, "d": part_d}[part](
+        save(part, {"a": part_a, "b": part_b, "c": part_c, "d": part_d, "e": part_e}[part](
             args, lambda figures, part=part: save(part, figures)))
     print(f"figures in {os.path.relpath(output, ROOT)}")
 

@@ -280,6 +280,7 @@ def fake_rollout(rewards: list[float], width: int, tag: str) -> grpo.Rollout:
                         prompt_ids=torch.full((n, width), 7), prompt_mask=torch.ones(n, width, dtype=torch.long),
                         completion_ids=torch.full((n, width + 1), 8),
                         completion_mask=torch.ones(n, width + 1, dtype=torch.long),
+                        sampler_logprobs=torch.full((n, width + 1), -0.5),
                         rewards_per_func=torch.tensor(rewards).unsqueeze(1))
 
 

@@ -159,7 +159,7 @@ def test_mix_reads_mix_first_then_grpos_functions_letter_for_letter():
         text = f.read()
     heading = text.index("# grpo.py's functions that MIX runs, letter for letter")
     own_lines = text[:heading].count("\n") - 1  # the line of '=' above the heading is not MIX's
-    assert own_lines <= 300, own_lines
+    assert own_lines <= 310, own_lines
     shared = [node for node in ast.parse(text).body if node.lineno > own_lines + 1]
     names = [node.name if hasattr(node, "name") else node.targets[0].id for node in shared
              if not isinstance(node, ast.If)]  # the `if __name__ == "__main__"` block ends the file

@@ -1,0 +1,206 @@
+"""The sampler is not the trainer (rollout.sampler_mismatch, rollout.sampler_importance_weights): the
+rollout returns the log-probs it sampled from, on the CPU equal to the trainer's pass to float32
+rounding on both decode paths; the mismatch metrics and the correction's weights by hand; the
+correction in each script's loss, and each RL script logging the gap."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import common
+import grpo
+import harness
+import ppo
+import rollout
+from conftest import read_metrics, run_main
+from floats import approx, assert_close, forward_terms, tolerance
+
+
+@pytest.mark.parametrize("static_cache, drop_finished, temperature", [
+    (False, True, 1.0), (False, False, 0.7), (True, False, 1.0), (True, False, 0.7)])
+def test_sampler_logprobs_equal_the_trainers_on_the_cpu(saved_tiny, static_cache, drop_finished, temperature):
+    """On the CPU the sampler is the float32 model itself (the plain loop, or decode_step on the static
+    cache): its log-probs of the tokens it wrote are the trainer's pass's up to summation order, and
+    0 after each row's EOS. return_logprobs changes no token."""
+    path, tokenizer, _ = saved_tiny
+    model, tokenizer = common.load_model(str(path))
+    prompts = [common.make_prompt(tokenizer, q) for q in ("What is 1 + 2?", "What is 47 + 85 + 1000?")
+               for _ in range(4)]
+    kwargs = dict(static_cache=static_cache, drop_finished=drop_finished)
+    torch.manual_seed(0)
+    prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, prompts, 16, temperature, return_logprobs=True, **kwargs)
+    torch.manual_seed(0)
+    *_, plain_ids, _ = rollout.generate(model, tokenizer, prompts, 16, temperature, **kwargs)
+    assert torch.equal(completion_ids, plain_ids)
+    assert sampler_logprobs.shape == completion_ids.shape
+    real = completion_mask.bool()
+    assert (sampler_logprobs[~real] == 0).all() and (sampler_logprobs[real] < 0).all()
+
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1], temperature)
+    scale = logprobs[real].abs().max().item()
+    assert_close(sampler_logprobs[real], logprobs[real], terms=forward_terms(model.config), scale=scale)
+    gap = rollout.sampler_mismatch(logprobs, sampler_logprobs, completion_mask)
+    assert gap["sampling/sampling_logp_difference/max"] <= forward_terms(model.config) * 1.2e-7 * scale
+    assert 0 <= gap["sampling/kl"] <= gap["sampling/sampling_logp_difference/max"] ** 2  # k3 ~ d^2 / 2 >= 0
+
+
+def test_mismatch_metrics_by_hand():
+    """d = trainer - sampler on the real tokens: [0.1, -0.3] and [0.2] (a padded token's junk ignored)."""
+    trainer = torch.tensor([[-1.0, -2.3, 5.0], [-0.5, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.1, -2.0, 0.0], [-0.7, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    gap = rollout.sampler_mismatch(trainer, sampler, mask)
+    d = [0.1, -0.3, 0.2]
+    assert gap["sampling/sampling_logp_difference/mean"] == approx(0.6 / 3)
+    assert gap["sampling/sampling_logp_difference/max"] == approx(0.3)
+    assert gap["sampling/kl"] == approx(sum(math.exp(x) - x - 1 for x in d) / 3, scale=0.1)
+    assert rollout.sampler_mismatch(trainer, sampler, torch.zeros_like(mask)) == {}
+
+
+def test_importance_weights_by_hand():
+    """rho = exp(trainer - sampler) per real token: [2, 0.5, 4] on row 0, [1.5, padding] on row 1."""
+    sampler = torch.zeros(2, 3)
+    trainer = torch.log(torch.tensor([[2.0, 0.5, 4.0], [1.5, 9.0, 9.0]]))
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+    def weights(mode, clip_max=3.0, clip_min=None):
+        return rollout.sampler_importance_weights(trainer, sampler, mask, mode, clip_max, clip_min).tolist()
+
+    assert weights("token_truncate") == [approx([2.0, 0.5, 3.0]), approx([1.5, 1.0, 1.0])]  # TIS: min(rho, 3)
+    assert weights("token_truncate", clip_min=0.8) == [approx([2.0, 0.8, 3.0]), approx([1.5, 1.0, 1.0])]
+    assert weights("token_mask", clip_min=0.8) == [approx([2.0, 0.0, 0.0]), approx([1.5, 1.0, 1.0])]
+    # the sequence modes: row 0's product 2 x 0.5 x 4 = 4, row 1's 1.5 (padding counts as 1)
+    assert weights("sequence_truncate") == [approx([3.0]), approx([1.5])]
+    assert weights("sequence_mask") == [[0.0], approx([1.5])]
+    assert weights("sequence_mask", clip_max=5.0) == [approx([4.0]), approx([1.5])]
+    with pytest.raises(ValueError):
+        weights("token")
+    exact = rollout.sampler_importance_weights(trainer, trainer.clone(), mask, "token_truncate", 3.0)
+    assert torch.equal(exact, torch.ones(2, 3))  # an exact sampler: every weight 1, the loss unchanged
+
+
+def test_grpo_weighs_the_policy_term_not_the_kl():
+    """l = -w min(ratio A, clip(ratio) A) + beta k3, at one update per batch (ratio 1): the weight scales the
+    policy term and its gradient, the KL term stays as it was."""
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.0]])
+    mask, A, w = torch.ones(1, 2), torch.tensor([2.0]), torch.tensor([[3.0, 0.5]])
+    loss = grpo.per_token_loss(logprobs, None, ref, A, mask, 0.2, 0.1, sampler_weights=w)
+    k3 = math.exp(-0.5) + 0.5 - 1  # exp(ref - logp) - (ref - logp) - 1 at the first token; 0 at the second
+    assert loss.tolist() == [approx([-3.0 * 2.0 + 0.1 * k3, -0.5 * 2.0], scale=6.0)]
+    loss.sum().backward()
+    # d/dlogp of -w A ratio is -w A; of beta k3 is beta (1 - exp(ref - logp))
+    assert logprobs.grad.tolist() == [approx([-6.0 + 0.1 * (1 - math.exp(-0.5)), -1.0], scale=6.0)]
+
+
+def test_ppo_actor_loss_weighs_each_token():
+    logprobs, old = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -2.0]])
+    A, mask, w = torch.tensor([[1.0, -2.0]]), torch.ones(1, 2), torch.tensor([[3.0, 0.5]])
+    assert ppo.ppo_actor_loss(logprobs, old, A, mask, 0.2).item() == approx((-1.0 + 2.0) / 2)
+    assert ppo.ppo_actor_loss(logprobs, old, A, mask, 0.2, sampler_weights=w).item() == approx((-3.0 + 1.0) / 2)
+
+
+def correction_config(**changes):
+    cfg = grpo.Config(vllm_importance_sampling_correction=True, beta=0.04, **changes)
+    cfg.check_together()
+    return cfg
+
+
+def test_an_exact_sampler_leaves_grpos_loss_as_it_was():
+    """With the sampler's log-probs equal to the trainer's the weights are exactly 1: step_loss with the
+    correction on is step_loss with it off, bit for bit; a sampler that gave the tokens less probability
+    raises the loss's weight on them."""
+    torch.manual_seed(0)
+    logprobs = -torch.rand(4, 5)
+    ref, mask, A = -torch.rand(4, 5), torch.ones(4, 5), torch.tensor([1.0, -1.0, 0.5, -0.5])
+    off = grpo.step_loss(logprobs, None, ref, A, mask, mask, None, grpo.Config(beta=0.04))
+    on = grpo.step_loss(logprobs, None, ref, A, mask, mask, None, correction_config(), logprobs.clone())
+    assert torch.equal(on, off)
+    lower = grpo.step_loss(logprobs, None, ref, A[:1].expand(4), mask, mask, None, correction_config(),
+                           logprobs - 0.5)  # rho = e^0.5 on every token, under the cap 3
+    same = grpo.step_loss(logprobs, None, ref, A[:1].expand(4), mask, mask, None, grpo.Config(beta=0.04))
+    kl = grpo.aggregate(0.04 * grpo.kl_k3(logprobs, ref), mask, "grpo")
+    assert (lower - kl).item() == approx(math.exp(0.5) * (same - kl).item(), terms=64)
+
+
+def test_the_corrections_settings_are_checked_together():
+    with pytest.raises(SystemExit):
+        grpo.Config(vllm_importance_sampling_clip_max=2.0).check_together()  # without the correction
+    with pytest.raises(SystemExit):
+        correction_config(vllm_importance_sampling_clip_min=3.0)  # not below clip_max
+    assert grpo.Config().sampler_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)) is None
+    for script in ("ppo", "grpo", "mix", "agent"):
+        assert issubclass(__import__(script).Config, harness.PolicyGradientConfig), script
+
+
+def assert_float32_gap(step: dict, model_path: str):
+    """A step's logged gap between sampler and trainer on the CPU: float32 rounding of one forward pass's
+    sums, at the scale of a sampled token's log-prob (above -30 for the tiny model at temperature 1)."""
+    config = AutoConfig.from_pretrained(model_path)
+    mean, worst = step["sampling/sampling_logp_difference/mean"], step["sampling/sampling_logp_difference/max"]
+    assert 0 <= mean <= worst <= tolerance(forward_terms(config), 30.0), step
+    assert 0 <= step["sampling/kl"] <= worst ** 2, step  # k3 = exp(d) - d - 1 ~ d^2 / 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["grpo.py", "ppo.py", "mix.py"])
+def test_each_policy_gradient_script_runs_the_correction(script, sft_checkpoint, tmp_path):
+    """One step with --vllm_importance_sampling_correction on the CPU: it runs, and logs a float32-sized gap
+    (the weights are then 1 to float32 rounding; test_an_exact_sampler_leaves_grpos_loss_as_it_was)."""
+    extra = {"ppo.py": ["--reward_model", "rule", "--max_completion_length", "24"],
+             "grpo.py": ["--num_generations", "4", "--max_completion_length", "24"],
+             "mix.py": ["--num_generations", "4", "--per_device_train_batch_size", "32"]}[script]  # the expert data
+    run_main(script, "--model", sft_checkpoint, "--max_steps", "1", "--per_device_train_batch_size", "16",
+             "--eval_steps", "100", "--num_eval_examples", "8",
+             "--eval_on_start", "false", "--vllm_importance_sampling_correction", "true",
+             "--vllm_importance_sampling_mode", "token_mask", *extra, "--output_dir", str(tmp_path))
+    step = [row for row in read_metrics(tmp_path) if "learning_rate" in row][0]  # the training step's row
+    assert_float32_gap(step, sft_checkpoint)
+
+
+def test_gpu_track_gap_part_runs_on_the_cpu(monkeypatch, tmp_path, sft_folder):
+    """benchmarks/gpu.py's part (e) with a small layout on the CPU: each model and sampler path gives its
+    gap, float32 rounding here (on the CPU the trainer's pass and the fp32 pass are one and the same);
+    the runs with the correction off and on read what grpo.py logged; save() after every measurement."""
+    import types
+
+    from conftest import load_benchmark
+
+    gpu = load_benchmark("gpu")
+    runs = []
+
+    def fake_run(script, args, output_dir, **options):  # grpo.py's metrics.jsonl, as a run writes it
+        runs.append((script, "--vllm_importance_sampling_correction" in args, options))
+        os.makedirs(output_dir)
+        with open(os.path.join(output_dir, "metrics.jsonl"), "w") as f:
+            for step in range(1, 4):
+                f.write(json.dumps({"step": step, "reward": step / 2, "sampling/kl": 1e-14,
+                                    "sampling/sampling_logp_difference/max": 2e-6 * step}) + "\n")
+        return {"s_per_step": 1.0, "after": {"accuracy_greedy": 0.5, "accuracy_sampled": 0.25}}
+
+    monkeypatch.setattr(gpu, "run_script", fake_run)
+    small = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    saved = []
+    args = types.SimpleNamespace(completions=8, max_completion_length=6, tiny_model=str(sft_folder), tis_seeds=1,
+                                 rl_steps=3)
+    figures = gpu.part_e(args, lambda so_far: saved.append(len(so_far["gap"]) + len(so_far["tis"])), shapes=small)
+    assert [(row["model"].split(" ")[0], row["sampler"]) for row in figures["gap"]] == [
+        (model, sampler) for model in ("tiny", "full", "LoRA") for sampler in ("static cache", "plain loop")]
+    assert saved == list(range(1, 9))
+    for row in figures["gap"]:
+        config = AutoConfig.from_pretrained(sft_folder) if row["model"].startswith("tiny") else types.SimpleNamespace(
+            **small)
+        assert row["trainer_vs_fp32"]["max"] == 0.0, row  # no autocast on the CPU: the same pass
+        assert 0 <= row["vs_trainer"]["mean"] <= row["vs_trainer"]["max"] <= tolerance(forward_terms(config), 30.0)
+    assert [(on, options["no_saves"]) for _, on, options in runs] == [(False, True), (True, True)]
+    assert [row["correction"] for row in figures["tis"]] == ["off", "on"]
+    assert figures["tis"][0]["last_20_reward"] == approx(1.0) and figures["tis"][1]["gap_max_median"] == approx(4e-6)
+    assert "| 0 | on | 50.0% | 25.0% | 1.000 |" in gpu.gap_tables(figures)
