@@ -357,7 +357,7 @@ def step_log(questions, completions, episodes, rewards_per_func, rewards, advant
     """run.end_step's two arguments: the step's metrics and completions.jsonl's columns. The metrics are
     grpo.step_metrics' over the policy's tokens (kl, entropy, clip_fraction), then four of them replaced: the
     reward and its spread after the price of the calls, and the length counting the calculator's tokens;
-    and the calls, their rates by kind, the calculator's tokens per episode."""
+    and the calls, their rates by kind, the calculator's tokens per episode; the sampler's gap to the trainer."""
     G = cfg.num_generations
     metrics = {"loss": loss.item(),
                **grpo.step_metrics(rewards_per_func, policy_mask, logprobs,

@@ -14,6 +14,7 @@ updates per batch.
     python grpo.py --advantage_estimator rloo            # RLOO (or reinforce_pp: REINFORCE++-baseline)
     python grpo.py --loss_type cispo --epsilon_high 5    # CISPO: a capped, detached ratio weight on every token
     python grpo.py --dynamic_sampling true               # DAPO: only groups whose rewards differ
+    python grpo.py --vllm_importance_sampling_correction true   # TIS: weigh tokens by pi_train / pi_sampler, capped
     python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k \\
         --system_prompt "Think in <think></think>, then give the number in <answer></answer>."
     torchrun --nproc_per_node 2 grpo.py                  # data parallel over 2 GPUs (or CPU processes)
@@ -50,7 +51,8 @@ LOSS_MODES = ("vanilla", "clip_cov", "kl_cov")  # Cui et al. 2025's remedies for
 
 @dataclass
 class Config(harness.PolicyGradientConfig):
-    """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, ...) are harness.RLConfig's."""
+    """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, the sampler's correction, ...) are
+    harness.PolicyGradientConfig's."""
     LOSS_SCALES = ("beta", "entropy_coeff", "ppo_kl_coef")  # scale a loss term: named in the advice after a NaN
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""

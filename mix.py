@@ -46,7 +46,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how the two terms average th
 @dataclass
 class Config(harness.PolicyGradientConfig):
     """MIX's settings, then the GRPO settings it runs; the run's (model, data, batch, AdamW, evaluation,
-    LoRA, ...) are harness.RLConfig's."""
+    LoRA, the sampler's correction, ...) are harness.PolicyGradientConfig's."""
     LOSS_SCALES = ("beta",)  # settings that scale a loss term: named in the advice after a NaN or inf (harness)
     expert_dataset: str = "data/expert.jsonl"
     """expert data: a jsonl file of chat `messages` (system / user / assistant), the last one the expert's answer"""

@@ -10,6 +10,7 @@
     torchrun --nproc_per_node 2 ppo.py      # data parallel over 2 GPUs (or CPU processes)
     torchrun --nproc_per_node 2 ppo.py --fsdp true  # sharded: each process holds half the weights and states
     python ppo.py --lora_r 8                # LoRA actor and critic; the reference is the actor with its adapter off
+    python ppo.py --vllm_importance_sampling_correction true  # TIS: weigh tokens by pi_train / pi_sampler, capped
 
 Only the actor decodes ("rollout"); the reference, critic and reward model just read the finished
 sequences in one forward pass each ("inference", prefill only). One step:

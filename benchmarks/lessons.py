@@ -1,6 +1,6 @@
 """The lessons' ledger: every comparative or causal lesson the course teaches, read by one rule from the
 per-seed results committed in docs/ (syllabus.json, entropy.json, best_of_n.json, agent_runs.json,
-agent_smollm2/, smollm2_runs/, distill_runs.json, majority_vote.json, entropy_remedies.json).
+agent_smollm2/, smollm2_runs/, distill_runs.json, majority_vote.json, entropy_remedies.json, sampler_gap.json).
 
     python benchmarks/lessons.py            # write docs/lessons.md
     python benchmarks/lessons.py --check    # exit 1 if docs/lessons.md differs (tests/test_lessons.py)
@@ -42,6 +42,7 @@ def read(name: str):
 SYLLABUS, ENTROPY, BEST_OF_N = read("syllabus.json"), read("entropy.json"), read("best_of_n.json")
 AGENT = read("agent_runs.json")
 DISTILL, MAJORITY, REMEDIES = read("distill_runs.json"), read("majority_vote.json"), read("entropy_remedies.json")
+SAMPLER = read("sampler_gap.json")
 SEEDS = SYLLABUS["seeds"]
 
 
@@ -203,6 +204,11 @@ def remedy(arm: str, key: str = "final") -> dict:
     if key == "entropy":
         return {r["seed"]: 1000 * statistics.fmean(r["entropy"][-10:]) for r in runs}
     return {r["seed"]: 100 * r["pass@k"]["16"] for r in runs}
+
+
+def sampler_final(arm: str) -> dict:
+    """{seed: final held-out sampled accuracy, in points} of an arm of sampler_gap.json."""
+    return {run["seed"]: run["evals"][-1]["sampled"] for run in SAMPLER["arms"][arm]}
 
 
 def best_of_n_gold(part: str, N: str) -> dict:
@@ -423,6 +429,18 @@ def lessons() -> list[dict]:
                unit="points of the 200 problems whose kept answer is right",
                **paired(kept(model, "maj@k", "64"), kept(model, "best_of_k", "64"), "up"))
           for i, (model, name) in enumerate((("sft", "SFT"), ("grpo", "GRPO")))],
+        dict(id="L63", lesson="A bf16 sampler leaves GRPO's final accuracy unchanged", where="docs/scaling.md (the "
+                                                                                          "sampler)",
+             arms="sampler_gap.json: fp32 -> bf16", differs="the sampler: a bf16 copy of the weights (decode_step) "
+             "instead of the float32 model, in the training rollouts and in the evaluations alike",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(sampler_final("bf16"), sampler_final("fp32"), "same")),
+        dict(id="L64", lesson="The sampler's correction (TIS) leaves a bf16-sampled GRPO run's final accuracy "
+                              "unchanged", where="docs/scaling.md (the sampler)", arms="sampler_gap.json: bf16 -> "
+                                                                                    "bf16_tis",
+             differs="--vllm_importance_sampling_correction true (token_truncate, C = 3)",
+             unit="points, final sampled accuracy (step 40)",
+             **paired(sampler_final("bf16_tis"), sampler_final("bf16"), "same")),
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",

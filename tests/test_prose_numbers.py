@@ -736,3 +736,14 @@ def test_entropy_remedies_table_is_the_committed_runs():
     assert "\n".join(entropy_remedies.tables(saved)) in page
     for sentence in entropy_remedies.prose(saved):
         assert sentence in " ".join(page.split()), sentence
+
+
+def test_sampler_gap_table_is_the_committed_runs():
+    """docs/scaling.md's table of the bf16 sampler on the CPU is what benchmarks/sampler_gap.py prints from the
+    committed docs/sampler_gap.json (3 seeds: the float32 sampler, the bf16 one, the bf16 one with TIS)."""
+    sampler_gap = load_benchmark("sampler_gap")
+    saved, page = json.loads(read("docs", "sampler_gap.json")), read("docs", "scaling.md")
+    assert saved["seeds"] == [0, 1, 2] and list(saved["arms"]) == ["fp32", "bf16", "bf16_tis"]
+    assert sampler_gap.table(saved) in page
+    for sentence in sampler_gap.prose(saved):
+        assert sentence in " ".join(page.split()), sentence

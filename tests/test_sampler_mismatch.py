@@ -204,3 +204,27 @@ def test_gpu_track_gap_part_runs_on_the_cpu(monkeypatch, tmp_path, sft_folder):
     assert [row["correction"] for row in figures["tis"]] == ["off", "on"]
     assert figures["tis"][0]["last_20_reward"] == approx(1.0) and figures["tis"][1]["gap_max_median"] == approx(4e-6)
     assert "| 0 | on | 50.0% | 25.0% | 1.000 |" in gpu.gap_tables(figures)
+
+
+def test_benchmarks_bf16_sampler_computes_in_bf16_on_the_cpu(saved_tiny, monkeypatch):
+    """benchmarks/sampler_gap.py's bf16 sampler (rollout.generate under CPU autocast, on the static cache): its
+    log-probs part from the float32 trainer's by more than float32 rounding allows, so the benchmark's bf16 arms
+    really sample in bf16; and the trainer's pass stays float32 (autocast is the sampler's only)."""
+    from conftest import load_benchmark
+
+    path, tokenizer, _ = saved_tiny
+    model, tokenizer = common.load_model(str(path))
+    monkeypatch.setattr(rollout, "generate", rollout.generate)  # restored after the test
+    load_benchmark("sampler_gap").bf16_sampler()
+    prompts = [common.make_prompt(tokenizer, "What is 47 + 85 + 1000?")] * 8
+    torch.manual_seed(0)
+    prompt_ids, prompt_mask, ids, mask, sampler_logprobs = rollout.generate(model, tokenizer, prompts, 16,
+                                                                            return_logprobs=True)
+    assert not torch.is_autocast_enabled("cpu")
+    input_ids, attention_mask = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1)
+    with torch.no_grad():
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, ids.shape[1])
+    assert logprobs.dtype == torch.float32
+    gap = rollout.sampler_mismatch(logprobs, sampler_logprobs, mask)
+    scale = logprobs[mask.bool()].abs().max().item()  # float32's bound at these log-probs' own size
+    assert gap["sampling/sampling_logp_difference/max"] > tolerance(forward_terms(model.config), scale), (gap, scale)
