@@ -160,7 +160,7 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
             # the policy's turn: one token per row
             last_logits = logits[:, -1].float()  # [b, V]
             next_tokens = rollout.next_token(last_logits, temperature, greedy)  # [b]
-            sampler_logprobs[rows, lengths[rows]] = rollout.token_logprobs(last_logits, next_tokens, temperature)
+            sampler_logprobs[rows, lengths[rows]] = rollout.logprobs_of_tokens(last_logits, next_tokens, temperature)
             completion_ids[rows, lengths[rows]] = next_tokens
             lengths[rows] += 1
             finished = (next_tokens == tokenizer.eos_token_id) | (lengths[rows] >= max_new_tokens)  # [b]
@@ -358,10 +358,9 @@ def step_log(questions, completions, episodes, rewards_per_func, rewards, advant
     grpo.step_metrics' over the policy's tokens (kl, entropy, clip_fraction), then four of them replaced: the
     reward and its spread after the price of the calls, and the length counting the calculator's tokens;
     and the calls, their rates by kind, the calculator's tokens per episode; the sampler's gap to the trainer."""
-    G = cfg.num_generations
+    G, old = cfg.num_generations, logprobs if old_logprobs is None else old_logprobs  # pi_old by the trainer
     metrics = {"loss": loss.item(),
-               **grpo.step_metrics(rewards_per_func, policy_mask, logprobs,
-                                   logprobs if old_logprobs is None else old_logprobs, ref_logprobs, advantages, cfg,
+               **grpo.step_metrics(rewards_per_func, policy_mask, logprobs, old, ref_logprobs, advantages, cfg,
                                    entropy),
                "reward": rewards.mean().item(), "reward_std": rewards.view(-1, G).std(dim=1).mean().item(),
                "frac_reward_zero_std": (rewards.view(-1, G).std(dim=1) == 0).float().mean().item(),
@@ -370,8 +369,8 @@ def step_log(questions, completions, episodes, rewards_per_func, rewards, advant
                "calls": episodes.calls.float().mean().item(),
                **call_rates([q for q in questions for _ in range(G)], episodes.calls),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-               **rollout.sampler_mismatch(logprobs if old_logprobs is None else old_logprobs, episodes.sampler_logprobs,
-                                          policy_mask)}  # pi_old: the trainer's, the sampler's
+               **rollout.sampler_mismatch(old, episodes.sampler_logprobs, policy_mask,  # pi_old's gap
+                                          cfg.sampler_weights(old, episodes.sampler_logprobs, policy_mask))}
     logged = {"prompt": [q for q in questions for _ in range(G)], "completion": completions,
               "advantage": advantages.tolist(), "calls": episodes.calls.tolist(), "reward": rewards.tolist()}
     return metrics, logged

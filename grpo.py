@@ -401,7 +401,8 @@ def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, c
         kl_cov     l_it = -ratio * A_i (+ the KL term) on every token, no clip, + coef * |logp - old_logp| on the
                    picked ones: a brake on exactly the tokens that drive the entropy down
 
-    The arguments are per_token_loss's; returns [N, T], 0 at padding."""
+    The arguments are per_token_loss's (sampler_weights weigh its policy term only, not the kl_cov penalty);
+    returns [N, T], 0 at padding."""
     mask = mask.bool()
     logprobs = torch.where(mask, logprobs, 0.0)
     old = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
@@ -514,7 +515,8 @@ def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, l
                **step_metrics(batch.rewards_per_func, batch.completion_mask, logprobs, old, ref_logprobs, advantages,
                               cfg, entropy),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
-               **rollout.sampler_mismatch(old, batch.sampler_logprobs, batch.completion_mask),  # pi_old's gap
+               **rollout.sampler_mismatch(old, batch.sampler_logprobs, batch.completion_mask,  # pi_old's gap
+                                          cfg.sampler_weights(old, batch.sampler_logprobs, batch.completion_mask)),
                **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
                    cfg.num_generations} if rounds is not None else {})}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),

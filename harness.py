@@ -172,11 +172,12 @@ class PolicyGradientConfig(RLConfig):
                                                  "one of " + ", ".join(rollout.IS_MODES))
     """with --vllm_importance_sampling_correction: token_truncate weighs each token by min(ratio, clip_max) (TIS;
     TRL's default is sequence_mask); token_mask zeroes the tokens whose ratio is out of [clip_min, clip_max]; the
-    sequence_ modes do the same with each completion's product of ratios"""
-    vllm_importance_sampling_clip_max: float = setting(3.0, lambda v: v > 0, "positive")
+    sequence_ modes do the same with each completion's product of ratios (not GSPO's geometric mean)"""
+    vllm_importance_sampling_clip_max: float = setting(3.0, lambda v: v >= 1, "at least 1 (below it even a token "
+                                                       "the sampler scored exactly would lose weight)")
     """with --vllm_importance_sampling_correction: C, the cap on the ratio (TRL's default 3)"""
-    vllm_importance_sampling_clip_min: float | None = setting(None, lambda v: v is None or v >= 0,
-                                                              "0 or more (leave it out for no lower bound)")
+    vllm_importance_sampling_clip_min: float | None = setting(None, lambda v: v is None or 0 <= v <= 1,
+                                                              "in [0, 1] (leave it out for no lower bound)")
     """with --vllm_importance_sampling_correction: the lower bound on the ratio (none by default, as TRL)"""
 
     def check_together(self):
@@ -194,6 +195,9 @@ class PolicyGradientConfig(RLConfig):
         modes), from pi_old as the trainer computes it and as the sampler did; None when the correction is off."""
         if not self.vllm_importance_sampling_correction:
             return None
+        if sampler_logprobs is None:
+            raise ValueError("--vllm_importance_sampling_correction needs the sampler's log-probs "
+                             "(rollout.generate(..., return_logprobs=True))")
         return rollout.sampler_importance_weights(trainer_logprobs, sampler_logprobs, mask,
                                                   self.vllm_importance_sampling_mode,
                                                   self.vllm_importance_sampling_clip_max,

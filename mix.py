@@ -200,13 +200,14 @@ def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprob
     norm, the learning rate, mix_metrics, the sampler's gap to the trainer) and the rollouts' completions.jsonl
     columns. old_logprobs None: pi."""
     old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
+    gap = (old[usual], sampler_logprobs[usual], completion_mask[usual])  # pi_old by the trainer, by the sampler
     metrics = {"loss": loss.item(),
                **step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
                               ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
                               entropy[usual]),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg),
-               **rollout.sampler_mismatch(old[usual], sampler_logprobs[usual], completion_mask[usual])}
+               **rollout.sampler_mismatch(*gap, cfg.sampler_weights(*gap))}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages[usual].tolist(),
                    **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
                       for i, f in enumerate(REWARD_FUNCS)}}

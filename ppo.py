@@ -305,7 +305,7 @@ def step_metrics(exp, answers, updates, kl_coef: float, scheduler) -> dict:
         "value_error": masked_mean((old_values - returns) ** 2, mask).item(),
         "completion_length": mask.sum(dim=1).float().mean().item(),
         "kl_coef": kl_coef, "learning_rate": scheduler.get_last_lr()[0],
-        **rollout.sampler_mismatch(old_logprobs, exp.sampler_logprobs, mask),  # pi_old: the sampler's, the trainer's
+        **rollout.sampler_mismatch(old_logprobs, exp.sampler_logprobs, mask, exp.sampler_weights),  # pi_old's gap
     }
 
 

@@ -118,7 +118,7 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperat
                 next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [b]
                 completion_ids[rows, t] = torch.where(done[rows], tokenizer.pad_token_id, next_tokens)
                 if return_logprobs:
-                    sampler_logprobs[rows, t] = token_logprobs(logits[:, -1].float(), next_tokens, temperature)
+                    sampler_logprobs[rows, t] = logprobs_of_tokens(logits[:, -1].float(), next_tokens, temperature)
                 done[rows] |= next_tokens == tokenizer.eos_token_id
                 if t == max_new_tokens - 1 or done.all():
                     break
@@ -148,7 +148,7 @@ def next_token(logits: torch.Tensor, temperature: float, greedy: bool) -> torch.
     return torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1).squeeze(1)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def logprobs_of_tokens(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature)[token] for each row: logits [b, V], tokens [b] -> [b]. The
     sampler's log-prob of the token it wrote (next_token's distribution; greedy rows score their argmax)."""
     return torch.log_softmax(logits / temperature, dim=-1).gather(1, tokens[:, None]).squeeze(1)
@@ -337,46 +337,58 @@ IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
 
 
 @torch.no_grad()
-def sampler_mismatch(logprobs, sampler_logprobs, mask) -> dict:
-    """How far the trainer's log-probs of the sampled tokens (logprobs [N, T], its pass over the policy
-    that sampled: pi_old) are from the sampler's own (sampler_logprobs [N, T], generate's), over the
-    real tokens (mask [N, T]). With d_t = log pi_train(y_t) - log pi_sampler(y_t):
+def sampler_mismatch(trainer_logprobs, sampler_logprobs, mask, sampler_weights=None) -> dict:
+    """How far the trainer's log-probs of the sampled tokens (trainer_logprobs [N, T]: its pass over the
+    policy that sampled, pi_old) are from the sampler's own (sampler_logprobs [N, T], generate's), over
+    the real tokens (mask [N, T]). With d_t = log pi_train(y_t) - log pi_sampler(y_t):
 
         sampling/sampling_logp_difference/mean   mean |d_t|     (TRL's names)
-        sampling/sampling_logp_difference/max    max |d_t|
+        sampling/sampling_logp_difference/max    max |d_t|      (under torchrun: each process's, averaged)
         sampling/kl                              mean of exp(d_t) - d_t - 1: the k3 estimate of
                                                  KL(pi_sampler || pi_train) (the tokens are the sampler's draws)
+        sampling/importance_sampling_ratio/min, /mean, /max    the weights w the loss used, where it used
+                                                 them (sampler_weights [N, T] or [N, 1]; TRL's names)
 
-    On the CPU both are float32 passes of the same weights, apart only by summation order; on a GPU
-    the sampler is a bf16 copy (static_cache), and the gap is what TIS corrects:
-    docs/scaling.md#the-sampler-is-not-the-trainer"""
+    0 where there is no real token (every process logs the same keys). On the CPU both are float32
+    passes of the same weights, apart only by summation order; on a GPU the static cache samples from a
+    bf16 copy, and the gap is what TIS corrects: docs/scaling.md#the-sampler-is-not-the-trainer"""
     mask = mask.bool()
-    d = torch.where(mask, logprobs - sampler_logprobs, 0.0)[mask].double()  # [tokens]
-    if d.numel() == 0:
-        return {}
-    return {"sampling/sampling_logp_difference/mean": d.abs().mean().item(),
-            "sampling/sampling_logp_difference/max": d.abs().max().item(),
-            "sampling/kl": (torch.expm1(d) - d).mean().item()}  # expm1: d ~ 1e-7 would cancel to 0 in exp(d) - 1
+    d = torch.where(mask, trainer_logprobs - sampler_logprobs, 0.0)[mask].double()  # [tokens]
+    d = d if d.numel() else torch.zeros(1, dtype=torch.float64)
+    gap = {"sampling/sampling_logp_difference/mean": d.abs().mean().item(),
+           "sampling/sampling_logp_difference/max": d.abs().max().item(),
+           "sampling/kl": (torch.expm1(d) - d).mean().item()}  # expm1: d ~ 1e-7 would cancel to 0 in exp(d) - 1
+    if sampler_weights is not None:
+        w = sampler_weights[mask] if sampler_weights.shape == mask.shape else sampler_weights.flatten()  # [N, 1]: rows
+        w = w if w.numel() else torch.zeros(1)
+        gap.update({f"sampling/importance_sampling_ratio/{name}": float(f(w)) for name, f in
+                    (("min", torch.min), ("mean", torch.mean), ("max", torch.max))})
+    return gap
 
 
 @torch.no_grad()
-def sampler_importance_weights(logprobs, sampler_logprobs, mask, mode: str = "token_truncate",
+def sampler_importance_weights(trainer_logprobs, sampler_logprobs, mask, mode: str = "token_truncate",
                                clip_max: float = 3.0, clip_min: float | None = None) -> torch.Tensor:
     """The weight that corrects the policy gradient for tokens drawn from the sampler, not from the
-    policy the trainer computes (Yao et al. 2025, "On the Rollout-Training Mismatch in Modern RL
-    Systems"; TRL's vllm_importance_sampling_correction, grpo_trainer.py's _generate_and_score_completions):
+    policy the trainer computes (truncated importance sampling: Yao et al. 2025, "On the Rollout-Training
+    Mismatch in Modern RL Systems", https://fengyao.notion.site/off-policy-rl; TRL's
+    vllm_importance_sampling_correction, grpo_trainer.py's _generate_and_score_completions):
 
-        rho_t = pi_train(y_t) / pi_sampler(y_t) = exp(logprobs - sampler_logprobs)    (detached: a weight)
+        rho_t = pi_train(y_t) / pi_sampler(y_t) = exp(trainer_logprobs - sampler_logprobs)   (detached: a weight)
         token_truncate     w_t = min(rho_t, C)               TIS (with clip_min c: clamp(rho_t, c, C))
         token_mask         w_t = rho_t where c <= rho_t <= C, else 0
         sequence_truncate  w_i = clamp(prod_t rho_t, c, C), the same for every token of completion i
         sequence_mask      w_i = prod_t rho_t where c <= it <= C, else 0
 
-    C = clip_max, c = clip_min (None: no lower bound). Each script multiplies its policy-gradient term
-    per token by w (the KL penalty is not weighted, as in TRL). The cap bounds the variance the weight
-    adds; where the sampler is exact (rho = 1) every mode gives 1. logprobs, sampler_logprobs, mask
-    [N, T] -> [N, T], or [N, 1] for the sequence modes (padding counts as rho 1; its loss is masked anyway)."""
-    log_rho = torch.where(mask.bool(), logprobs - sampler_logprobs, 0.0)  # [N, T]
+    C = clip_max, c = clip_min (None: no lower bound). trainer_logprobs is pi_old as the trainer computes
+    it. The sequence modes take the product of the token ratios (the importance weight of the whole
+    completion), not GSPO's geometric mean (grpo.py's --importance_sampling_level sequence). The scripts
+    multiply each token's policy-gradient term by w: GRPO's and MIX's clipped term, not their KL penalty
+    (as TRL's GRPO); PPO's clipped term, whose advantage holds its KL reward. The cap bounds the variance
+    the weight adds; where the sampler is exact (rho = 1) every mode gives 1 (c <= 1 <= C: the settings'
+    checks). trainer_logprobs, sampler_logprobs, mask [N, T] -> [N, T], or [N, 1] for the sequence modes
+    (padding counts as rho 1; its loss is masked anyway)."""
+    log_rho = torch.where(mask.bool(), trainer_logprobs - sampler_logprobs, 0.0)  # [N, T]
     if mode.startswith("sequence"):
         log_rho = log_rho.sum(dim=1, keepdim=True)  # [N, 1]: log of the product of the token ratios
     rho = torch.exp(log_rho)
@@ -550,7 +562,7 @@ def decode_static(model, tokenizer, cache, logits, prompt_mask, completion_ids, 
         next_tokens = next_token(logits[:, -1].float(), temperature, greedy)  # [N]
         completion_ids[:, t] = torch.where(done, tokenizer.pad_token_id, next_tokens)
         if sampler_logprobs is not None:  # the bf16 copy's log-probs on a GPU: what the sampler drew from
-            sampler_logprobs[:, t] = token_logprobs(logits[:, -1].float(), next_tokens, temperature)
+            sampler_logprobs[:, t] = logprobs_of_tokens(logits[:, -1].float(), next_tokens, temperature)
         done |= next_tokens == tokenizer.eos_token_id
         if t == max_new_tokens - 1 or done.all():
             break

@@ -204,6 +204,10 @@ def test_a_run_logs_the_calls_and_the_policys_tokens_only(sft_checkpoint, tmp_pa
     steps = [row for row in rows if "loss" in row]
     assert len(steps) == 2 and all("call_rate" in row and "reply_tokens" in row for row in steps)
     assert "eval/call_rate" in rows[-1] and "eval/accuracy_greedy" in rows[-1]
+    from test_sampler_mismatch import assert_float32_gap
+
+    for row in steps:  # its own rollout's log-probs against the trainer's, over the policy's tokens
+        assert_float32_gap(row, sft_checkpoint)
 
 
 def test_the_calculators_settings_are_checked_where_they_are_declared():

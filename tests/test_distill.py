@@ -169,6 +169,10 @@ def test_the_script_trains_and_writes_its_run(sft_checkpoint, saved_tiny, tmp_pa
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     train = [row for row in rows if "loss" in row]
     assert len(train) == 2 and all(row["loss"] > 0 and row["sampled_tokens"] > 16 for row in train)
+    from test_sampler_mismatch import assert_float32_gap
+
+    for row in train:  # the student's sampled tokens: the sampler's log-probs against the training pass's
+        assert_float32_gap(row, sft_checkpoint)
     assert {"model.safetensors", "eval.json", "distillation.png", "run.json"} <= set(os.listdir(out))
     from safetensors.torch import load_file
 

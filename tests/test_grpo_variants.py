@@ -280,7 +280,7 @@ def fake_rollout(rewards: list[float], width: int, tag: str) -> grpo.Rollout:
                         prompt_ids=torch.full((n, width), 7), prompt_mask=torch.ones(n, width, dtype=torch.long),
                         completion_ids=torch.full((n, width + 1), 8),
                         completion_mask=torch.ones(n, width + 1, dtype=torch.long),
-                        sampler_logprobs=torch.full((n, width + 1), -0.5),
+                        sampler_logprobs=-torch.arange(1.0, n + 1)[:, None].expand(n, width + 1),  # row i: -(i + 1)
                         rewards_per_func=torch.tensor(rewards).unsqueeze(1))
 
 
@@ -298,6 +298,9 @@ def test_dynamic_sampling_never_keeps_a_group_of_equal_rewards():
     assert (grouped[:, 0] != grouped[:, 1]).all()  # every kept group has spread
     assert kept.prompt_ids.shape == (6, 3) and kept.prompt_mask[:2].tolist() == [[0, 1, 1]] * 2
     assert kept.completion_mask[:2].tolist() == [[1, 1, 1, 0]] * 2 and kept.prompt_ids[0, 0] == 0
+    # the sampler's log-probs travel with their rows, right-padded with 0 as the completions are
+    assert kept.sampler_logprobs[:2].tolist() == [[-3.0] * 3 + [0.0], [-4.0] * 3 + [0.0]]
+    assert kept.sampler_logprobs[2:].tolist() == [[-(i + 1.0)] * 4 for i in (2, 3, 4, 5)]
 
 
 def test_dynamic_sampling_stops_after_max_rounds_with_what_it_found():

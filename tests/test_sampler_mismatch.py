@@ -19,17 +19,19 @@ from conftest import read_metrics, run_main
 from floats import approx, assert_close, forward_terms, tolerance
 
 
-@pytest.mark.parametrize("static_cache, drop_finished, temperature", [
-    (False, True, 1.0), (False, False, 0.7), (True, False, 1.0), (True, False, 0.7)])
-def test_sampler_logprobs_equal_the_trainers_on_the_cpu(saved_tiny, static_cache, drop_finished, temperature):
+@pytest.mark.parametrize("static_cache, drop_finished, temperature, greedy", [
+    (False, True, 1.0, False), (False, False, 0.7, False), (True, False, 1.0, False), (True, False, 0.7, False),
+    (False, True, 0.7, True), (True, False, 0.7, True)])
+def test_sampler_logprobs_equal_the_trainers_on_the_cpu(saved_tiny, static_cache, drop_finished, temperature, greedy):
     """On the CPU the sampler is the float32 model itself (the plain loop, or decode_step on the static
-    cache): its log-probs of the tokens it wrote are the trainer's pass's up to summation order, and
-    0 after each row's EOS. return_logprobs changes no token."""
+    cache): its log-probs of the tokens it wrote are the trainer's pass's at the same temperature up to
+    summation order (greedy rows too: the argmax scored by the tempered policy), and 0 after each row's
+    EOS. return_logprobs changes no token."""
     path, tokenizer, _ = saved_tiny
     model, tokenizer = common.load_model(str(path))
     prompts = [common.make_prompt(tokenizer, q) for q in ("What is 1 + 2?", "What is 47 + 85 + 1000?")
                for _ in range(4)]
-    kwargs = dict(static_cache=static_cache, drop_finished=drop_finished)
+    kwargs = dict(static_cache=static_cache, drop_finished=drop_finished, greedy=greedy)
     torch.manual_seed(0)
     prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
         model, tokenizer, prompts, 16, temperature, return_logprobs=True, **kwargs)
@@ -47,7 +49,7 @@ def test_sampler_logprobs_equal_the_trainers_on_the_cpu(saved_tiny, static_cache
     scale = logprobs[real].abs().max().item()
     assert_close(sampler_logprobs[real], logprobs[real], terms=forward_terms(model.config), scale=scale)
     gap = rollout.sampler_mismatch(logprobs, sampler_logprobs, completion_mask)
-    assert gap["sampling/sampling_logp_difference/max"] <= forward_terms(model.config) * 1.2e-7 * scale
+    assert gap["sampling/sampling_logp_difference/max"] <= tolerance(forward_terms(model.config), scale)
     assert 0 <= gap["sampling/kl"] <= gap["sampling/sampling_logp_difference/max"] ** 2  # k3 ~ d^2 / 2 >= 0
 
 
@@ -58,10 +60,19 @@ def test_mismatch_metrics_by_hand():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     gap = rollout.sampler_mismatch(trainer, sampler, mask)
     d = [0.1, -0.3, 0.2]
-    assert gap["sampling/sampling_logp_difference/mean"] == approx(0.6 / 3)
-    assert gap["sampling/sampling_logp_difference/max"] == approx(0.3)
-    assert gap["sampling/kl"] == approx(sum(math.exp(x) - x - 1 for x in d) / 3, scale=0.1)
-    assert rollout.sampler_mismatch(trainer, sampler, torch.zeros_like(mask)) == {}
+    # each d is a float32 difference of log-probs up to 2.3 in size: it rounds by eps x 2.3, and so do |d| and
+    # k3 = exp(d) - d - 1 (whose slope |exp(d) - 1| is below 1 here): the scale of every comparison is 2.3
+    assert gap["sampling/sampling_logp_difference/mean"] == approx(0.6 / 3, scale=2.3)
+    assert gap["sampling/sampling_logp_difference/max"] == approx(0.3, scale=2.3)
+    assert gap["sampling/kl"] == approx(sum(math.exp(x) - x - 1 for x in d) / 3, scale=2.3)
+    no_tokens = rollout.sampler_mismatch(trainer, sampler, torch.zeros_like(mask))  # every process logs the keys
+    assert no_tokens == {key: 0.0 for key in gap}
+    w = torch.tensor([[3.0, 0.5, 9.0], [1.5, 9.0, 9.0]])  # the weights the loss used: padding's are not counted
+    with_weights = rollout.sampler_mismatch(trainer, sampler, mask, w)
+    assert [with_weights[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")] == approx(
+        [0.5, 5.0 / 3, 3.0])
+    per_row = rollout.sampler_mismatch(trainer, sampler, mask, torch.tensor([[0.0], [2.0]]))  # a sequence mode's
+    assert per_row["sampling/importance_sampling_ratio/mean"] == approx(1.0)
 
 
 def test_importance_weights_by_hand():
@@ -84,6 +95,16 @@ def test_importance_weights_by_hand():
         weights("token")
     exact = rollout.sampler_importance_weights(trainer, trainer.clone(), mask, "token_truncate", 3.0)
     assert torch.equal(exact, torch.ones(2, 3))  # an exact sampler: every weight 1, the loss unchanged
+
+
+def test_a_weight_per_completion_weighs_each_of_its_tokens():
+    """The sequence modes give w [N, 1]: it scales every token of its row, in GRPO's and PPO's losses."""
+    logprobs, mask = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]), torch.ones(2, 2)
+    A, w = torch.tensor([1.0, -1.0]), torch.tensor([[2.0], [0.0]])
+    assert grpo.per_token_loss(logprobs, None, None, A, mask, 0.2, 0.0, sampler_weights=w).tolist() == [
+        approx([-2.0, -2.0]), [0.0, 0.0]]
+    token_A = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    assert ppo.ppo_actor_loss(logprobs, logprobs, token_A, mask, 0.2, sampler_weights=w).item() == approx(-4.0 / 4)
 
 
 def test_grpo_weighs_the_policy_term_not_the_kl():
@@ -127,14 +148,36 @@ def test_an_exact_sampler_leaves_grpos_loss_as_it_was():
                            logprobs - 0.5)  # rho = e^0.5 on every token, under the cap 3
     same = grpo.step_loss(logprobs, None, ref, A[:1].expand(4), mask, mask, None, grpo.Config(beta=0.04))
     kl = grpo.aggregate(0.04 * grpo.kl_k3(logprobs, ref), mask, "grpo")
-    assert (lower - kl).item() == approx(math.exp(0.5) * (same - kl).item(), terms=64)
+    # terms: the 20 tokens' sum in aggregate, each weight exp(d) rounded once more than e^0.5 (d a float32
+    # difference of numbers below 1.5), and the subtraction of kl
+    assert (lower - kl).item() == approx(math.exp(0.5) * (same - kl).item(), terms=mask.numel() + 4)
+
+
+def test_with_several_updates_the_weights_read_old_logprobs():
+    """With num_iterations > 1, pi_old by the trainer is old_logprobs (computed once, before the updates), not
+    the moving policy's own: the weights, and so the loss, follow old_logprobs."""
+    logprobs, ref, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
+    old, A = torch.tensor([[-1.2, -1.9]]), torch.tensor([1.0])
+    cfg = correction_config(num_iterations=2)
+    loss = grpo.step_loss(logprobs, old, ref, A, mask, mask, None, cfg, sampler_logprobs=old - 0.5)  # w = e^0.5
+    plain = grpo.step_loss(logprobs, old, ref, A, mask, mask, None, grpo.Config(beta=0.04, num_iterations=2))
+    assert loss.item() == approx(math.exp(0.5) * plain.item(), terms=8)
+    with pytest.raises(ValueError):  # the correction without the sampler's log-probs: one sentence
+        grpo.step_loss(logprobs, old, ref, A, mask, mask, None, cfg)
 
 
 def test_the_corrections_settings_are_checked_together():
+    from checks import check_settings
+
     with pytest.raises(SystemExit):
         grpo.Config(vllm_importance_sampling_clip_max=2.0).check_together()  # without the correction
     with pytest.raises(SystemExit):
-        correction_config(vllm_importance_sampling_clip_min=3.0)  # not below clip_max
+        correction_config(vllm_importance_sampling_clip_min=1.0, vllm_importance_sampling_clip_max=1.0)
+    for bad in (dict(vllm_importance_sampling_clip_max=0.5), dict(vllm_importance_sampling_clip_min=1.5),
+                dict(vllm_importance_sampling_mode="token")):  # an exact sampler must keep weight 1; TRL's modes
+        with pytest.raises(SystemExit):
+            check_settings(grpo.Config(vllm_importance_sampling_correction=True, **bad))
+    check_settings(grpo.Config(vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_min=0.5))
     assert grpo.Config().sampler_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)) is None
     for script in ("ppo", "grpo", "mix", "agent"):
         assert issubclass(__import__(script).Config, harness.PolicyGradientConfig), script
