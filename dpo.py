@@ -274,11 +274,13 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
     reads the samples as text in its own ids (reward_model.tokenize_samples). Returns input_ids,
     attention_mask [2B, P+T], T, the weights the loss counts [B] (loss_weights: 0 for a tied pair;
     KTO: [2B]), each row's verdict by the checker [2B] (1 right, 0 wrong: KTO's labels), the online
-    metrics, and the completions to log. Tensors on the policy's device."""
+    metrics, the completions to log, and the sampler's log-probs of the samples' tokens [2B, T]. Tensors on
+    the policy's device."""
     texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
              for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
-    prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-        model, tokenizer, texts, cfg.max_completion_length, cfg.temperature)  # [2B, P], [2B, P], [2B, T] x 2
+    prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, texts, cfg.max_completion_length, cfg.temperature,
+        return_logprobs=True)  # [2B, P], [2B, P], [2B, T] x 3
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [2B, P+T], sample a and b of each prompt
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     samples = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -298,7 +300,7 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
     completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
     return (input_ids[order], attention_mask[order], completion_ids.shape[1],
             loss_weights(weights, cfg.loss_type).to(input_ids.device), correct[order.cpu()].to(input_ids.device),
-            metrics, completions)
+            metrics, completions, sampler_logprobs[order])
 
 
 def dataset_pairs(batch: list, tokenizer, cfg, device):
@@ -306,11 +308,11 @@ def dataset_pairs(batch: list, tokenizer, cfg, device):
     input_ids, attention_mask [2B, P+T] (reward_model.collate: the B chosen rows, then the B rejected),
     T, the weights the loss counts (loss_weights: every pair, or KTO's every answer), KTO's labels
     [2B] (each chosen answer desirable, each rejected one not; TRL's unpair_preference_dataset), and
-    no online metrics or completions."""
+    no online metrics, completions or sampler's log-probs."""
     input_ids, attention_mask = (x.to(device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
     T, B = max(max(len(c), len(r)) for _, c, r in batch), len(batch)
     return (input_ids, attention_mask, T, loss_weights(torch.ones(B), cfg.loss_type).to(device),
-            (torch.arange(2 * B) < B).to(device), {}, None)
+            (torch.arange(2 * B) < B).to(device), {}, None, None)
 
 
 def check_ties(run, cfg, weights):
@@ -368,20 +370,24 @@ def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
 
 
 @torch.no_grad()
-def step_log(cfg, step_pairs: tuple, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate) -> tuple:
+def step_log(cfg, step_pairs: tuple, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate,
+             trained=None) -> tuple:
     """Step 5: run.end_step's arguments, the step's metrics and (online) its completions. The metrics, on
     the CPU: the loss; kto_metrics over KTO's desirable and undesirable answers, or step_metrics over
     the counted pairs, with the rewards of rewards_of; online DPO's pairs and ties; the policy's
-    entropy, a mean over the answers' tokens as TRL's DPOTrainer logs it. step_pairs: step 1's
-    (sample_and_rank's or dataset_pairs's); logps, ref_logps [2B]; entropy [2B, T]."""
-    _, attention_mask, T, weights, desirable, online_metrics, completions = step_pairs
+    entropy, a mean over the answers' tokens as TRL's DPOTrainer logs it; online, the sampler's gap to the
+    trainer's log-probs (trained [2B, T]: rollout.sampler_mismatch; with --steps_per_generation > 1 it also holds
+    how far the policy moved since it sampled). step_pairs: step 1's (sample_and_rank's or dataset_pairs's);
+    logps, ref_logps [2B]; entropy [2B, T]."""
+    _, attention_mask, T, weights, desirable, online_metrics, completions, sampler_logprobs = step_pairs
     answer_mask = attention_mask[:, -T:]  # [2B, T]
     lengths = answer_mask.sum(dim=1).float()  # [2B] |y|
     rewards = rewards_of(cfg, logps, ref_logps, lengths).cpu()
     metrics = (kto_metrics(rewards, logps.cpu(), lengths.cpu(), desirable.float().cpu(), z0) if cfg.loss_type == "kto"
                else step_metrics(rewards, logps.cpu(), lengths.cpu(), weights.cpu()))
     entropy_sums = torch.where(answer_mask.bool(), entropy, 0.0).sum(1).cpu()  # [2B], each row's
-    return ({"loss": loss.item(), **metrics, **online_metrics,
+    gap = rollout.sampler_mismatch(trained, sampler_logprobs, answer_mask) if sampler_logprobs is not None else {}
+    return ({"loss": loss.item(), **metrics, **online_metrics, **gap,
              "entropy": entropy_sums.sum().item() / lengths.sum().item(),  # a token mean
              "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, completions)
 
@@ -468,7 +474,7 @@ def main(cfg: Config):
             step_pairs = sampled.pop(0)
         else:  # B pairs of the dataset
             step_pairs = dataset_pairs(run.rng.sample(pairs, B), tokenizer, cfg, run.device)
-        input_ids, attention_mask, T, weights, desirable, _, _ = step_pairs  # (online metrics, completions: step 5)
+        input_ids, attention_mask, T, weights, desirable, *_ = step_pairs  # (online metrics, completions...: step 5)
         check_ties(run, cfg, weights)  # online DPO: a step whose every pair is a tie has nothing to learn
         temperature = cfg.temperature if cfg.online else 1.0
         answer_mask = attention_mask[:, -T:]  # [2B, T]
@@ -483,7 +489,8 @@ def main(cfg: Config):
         step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
         loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's count, add up to it
         logps = torch.zeros_like(lengths)  # [2B], for the metrics
-        entropy = torch.zeros_like(answer_mask, dtype=torch.float)  # [2B, T]
+        entropy, trained = (torch.zeros_like(answer_mask, dtype=torch.float) for _ in range(2))  # [2B, T]: the
+        # policy's entropy, and (online) its log-probs of the sampled tokens, against the sampler's
         for rows in micro_batches:  # one micro-batch of pairs at a time (memory); the gradients add up
             micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                 model, input_ids[rows], attention_mask[rows], T, temperature)  # [2b, T] each
@@ -497,7 +504,7 @@ def main(cfg: Config):
             micro_loss = micro_losses.sum() / step_count
             micro_loss.backward()  # gradients add up over the micro-batches
             loss = loss + micro_loss.detach()
-            logps[rows] = micro_logps.detach()
+            logps[rows], trained[rows] = micro_logps.detach(), micro_logprobs.detach()
 
         # 4. The update.
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
@@ -506,7 +513,7 @@ def main(cfg: Config):
 
         # 5. Log the metrics and (online) the samples; when due: evaluate, write the metrics line, save a checkpoint.
         run.end_step(*step_log(cfg, step_pairs, logps, ref_logps, z0, entropy, loss, grad_norm,
-                               scheduler.get_last_lr()[0]))
+                               scheduler.get_last_lr()[0], trained))
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],
                                         "implicit rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],

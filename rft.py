@@ -73,13 +73,14 @@ def keep_mask(accepted: torch.Tensor, num_generations: int, keep: str) -> torch.
     return first.flatten()
 
 
-def step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts: list, completions: list
-             ) -> tuple[dict, dict]:
+def step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts: list, completions: list,
+             gap: dict) -> tuple[dict, dict]:
     """run.end_step's two arguments: the step's metrics (accuracy: of the samples, as grpo.py's; kept:
-    the share imitated) and what the policy wrote (completions.jsonl's columns)."""
+    the share imitated; gap: rollout.sampler_mismatch over the kept answers) and what the policy wrote
+    (completions.jsonl's columns)."""
     metrics = {"loss": loss.item(), "accuracy": accepted.mean().item(), "kept": kept.float().mean().item(),
                "completion_length": completion_mask.sum(1).float().mean().item(), "grad_norm": grad_norm.item(),
-               "learning_rate": scheduler.get_last_lr()[0]}
+               "learning_rate": scheduler.get_last_lr()[0], **gap}
     return metrics, {"prompt": prompts, "completion": completions, "accepted": accepted.tolist()}
 
 
@@ -103,8 +104,9 @@ def main(cfg: Config):
         # 1. Rollout: k answers to each of B prompts, groups contiguous.
         step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(k)]
-        prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(
-            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature)  # [B*k, P] x 2, [B*k, T] x 2
+        prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
+            model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature,
+            return_logprobs=True)  # [B*k, P] x 2, [B*k, T] x 3
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         # 2. Judge: the checker accepts a right answer in the right format.
         answers = [a for a in step_data["answer"] for _ in range(k)]
@@ -121,18 +123,20 @@ def main(cfg: Config):
         answer_mask = completion_mask[kept]  # [K, T]: the answer's tokens, its EOS included
         num_tokens = common.mean_denominator(answer_mask)
         optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, trained = 0.0, torch.zeros_like(answer_mask, dtype=torch.float)  # trained [K, T]: for the gap
         for rows in torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size):
             logprobs = rollout.completion_logprobs(model, input_ids[rows], attention_mask[rows],
                                                    answer_mask.shape[1])  # [n, T], the model's own distribution
             micro_loss = sft.sft_loss(logprobs, answer_mask[rows], num_tokens)  # its share of the step's token mean
             micro_loss.backward()
             loss = loss + micro_loss.detach()
+            trained[rows] = logprobs.detach()
         grad_norm = run.clip_gradients(model, loss)  # DDP: averaged over processes; a NaN or inf stops here
         optimizer.step()
         scheduler.step()
 
-        run.end_step(*step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts, completions))
+        gap = rollout.sampler_mismatch(trained, sampler_logprobs[kept], answer_mask)  # the trainer's, the sampler's
+        run.end_step(*step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts, completions, gap))
 
     run.finish(tokenizer, {"": model}, {"accepted and kept": ["accuracy", "kept"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

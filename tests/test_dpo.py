@@ -225,7 +225,7 @@ def test_a_judge_with_its_own_tokenizer_reads_the_samples_as_text():
     for judge_model, judge_tokenizer in ((judge, tokenizer), (rotated_judge, rotated_tok)):
         torch.manual_seed(0)
         outputs.append(dpo.sample_and_rank(policy, tokenizer, judge_model, step_data, cfg, judge_tokenizer))
-    (ids_a, _, _, weights_a, right_a, _, logged_a), (ids_b, _, _, weights_b, right_b, _, logged_b) = outputs
+    (ids_a, _, _, weights_a, right_a, _, logged_a, _), (ids_b, _, _, weights_b, right_b, _, logged_b, _) = outputs
     assert torch.equal(ids_a, ids_b) and torch.equal(weights_a, weights_b) and logged_a == logged_b
     assert torch.equal(right_a, right_b)
 
@@ -276,6 +276,10 @@ def test_online_run_with_the_rule_judge_raises_the_accuracy_of_its_samples(sft_c
     first, last = [r["accuracy"] for r in rows[:10]], [r["accuracy"] for r in rows[-10:]]
     assert z_gain(first, last) > 2, (first, last)
     assert all(r["online/pairs"] == approx(32 * (1 - r["online/ties"]), terms=4, scale=32) for r in rows)
+    from test_sampler_mismatch import assert_float32_gap
+
+    for row in rows:  # sampled and trained in the same step (--steps_per_generation 1): float32's gap only
+        assert_float32_gap(row, sft_checkpoint)
     assert os.path.isfile(os.path.join(out, "online_dpo.png")) and os.path.isfile(os.path.join(out,
                                                                                                "completions.jsonl"))
 

@@ -54,6 +54,10 @@ def test_a_short_run_changes_the_weights_and_keeps_what_the_checker_accepts(sft_
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [row for row in rows if "kept" in row]
     assert len(steps) == 3 and all(0 < row["kept"] == row["accuracy"] < 1 for row in steps)  # --keep all
+    from test_sampler_mismatch import assert_float32_gap
+
+    for row in steps:  # the kept answers: the sampler's log-probs against the SFT pass's
+        assert_float32_gap(row, sft_checkpoint)
     before, after = (common.load_model(path)[0].state_dict() for path in (sft_checkpoint, out))
     assert any(not torch.equal(before[name], after[name]) for name in before)
     assert os.path.isfile(os.path.join(out, "rft.png")) and os.path.isfile(os.path.join(out, "eval.json"))
