@@ -434,7 +434,7 @@ def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask,
     (rollout.sampler_importance_weights) from pi_old as the trainer computes it and the sampler's
     sampler_logprobs [N, T]."""
     trainer_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs  # pi_old by the trainer [N, T]
-    sampler_weights = cfg.sampler_weights(trainer_logprobs, sampler_logprobs, mask)  # None unless the correction is on
+    sampler_weights = cfg.sampler_weights(trainer_logprobs, sampler_logprobs, mask)  # [N, T] or [N, 1]; None: off
     if cfg.loss_mode == "vanilla":
         loss = grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta, cfg.loss_type,
                          step_mask=step_mask, epsilon_high=cfg.epsilon_high,

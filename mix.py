@@ -281,7 +281,7 @@ def main(cfg: Config):
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
-                micro_old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()  # trainer's
+                micro_old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()  # [n, T]
                 micro_loss = mix_loss(
                     micro_logprobs, old_logprobs[rows] if old_logprobs is not None else None,
                     ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], completion_mask[rows],

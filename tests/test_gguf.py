@@ -248,6 +248,27 @@ def test_the_calculators_turn_on_the_real_tokenizer(policy, monkeypatch):
                  scale=logprobs[policy_tokens].abs().max().item())
 
 
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_the_samplers_logprobs_are_the_trainers_on_the_real_model(policy, static_cache):
+    """SmolLM2 sampling at temperature 0.7 on the plain loop and on the static cache (decode_step, which
+    computes the Llama layout itself): the log-probs the sampler returns for its tokens are one training
+    pass's over them, to float32 rounding, and 0 after each row's EOS."""
+    from floats import assert_close, forward_terms
+
+    model, tokenizer = policy
+    prompts = [common.make_prompt(tokenizer, q) for q in ("What is 12 + 5?", "What is 47 + 85 + 1000?")] * 2
+    torch.manual_seed(0)
+    prompt_ids, prompt_mask, ids, mask, sampler_logprobs = rollout.generate(
+        model, tokenizer, prompts, 24, 0.7, static_cache=static_cache, return_logprobs=True)
+    input_ids, attention_mask = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1)
+    with torch.no_grad():
+        logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, ids.shape[1], 0.7)
+    real = mask.bool()
+    assert (sampler_logprobs[~real] == 0).all()
+    assert_close(sampler_logprobs[real], logprobs[real], terms=forward_terms(model.config),
+                 scale=logprobs[real].abs().max().item())
+
+
 # The final evaluation only (none at step 0), of one problem, with one sampled answer where a policy is evaluated:
 # the untrained model writes --max_completion_length tokens at every answer, much of a run's time here.
 ONE_EVALUATION = ["--eval_steps", "100", "--num_eval_examples", "1", "--eval_on_start", "false"]
@@ -284,6 +305,11 @@ def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path
              *(ONE_SAMPLE if script != "reward_model.py" else []), *ARGS[script], *teacher)
     rows = [row for row in read_metrics(out) if "loss" in row or "loss/actor" in row]
     assert len(rows) == 2 and all(math.isfinite(row.get("loss", row.get("loss/actor", 0.0))) for row in rows)
+    if script not in ("sft.py", "reward_model.py"):  # those that sample: the gap, float32 rounding on the CPU
+        from test_sampler_mismatch import assert_float32_gap
+
+        for row in rows:
+            assert_float32_gap(row, smollm2_folder)
     adapter = load_file(os.path.join(out, "adapter_model.safetensors"))
     moved = any(name.endswith("lora_B.weight") and value.abs().max() > 0 for name, value in adapter.items())
     # distill.py's teacher is the same weights: the student, its adapter at zero, matches it exactly (loss 0)
