@@ -66,7 +66,10 @@ class RunConfig:
     """where the model, metrics.jsonl, eval.json and the PNG go"""
     overwrite_output_dir: bool = False
     """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole"""
+    finishes, so a run that fails or is killed leaves the old one whole. It removes the old run's files only: those
+    its run.json lists (without one, the files a run writes: model, tokenizer, logs, *.png, checkpoints); any other
+    file stays. A folder that holds no run (no run.json, checkpoint or metrics.jsonl) keeps every file: the run
+    writes beside them, or is refused if one has a name it writes"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained; use the same one in
     every script of a chain)"""
@@ -122,7 +125,9 @@ class RunConfig:
     save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run)"""
+    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run);
+    metrics.jsonl and completions.jsonl are cut back to the checkpoint's step (rewritten whole: a link there is
+    replaced, never followed)"""
     trust_remote_code: bool = False
     """let a hub model run its own Python code (off: only its weights and config are loaded)"""
     merge_lora: bool = False
@@ -322,7 +327,7 @@ class Run:
     def what_helps(self) -> str:
         """What to change after a NaN or inf: a setting that scales the loss (the Config's LOSS_SCALES) that
         was raised above its default, and the learning rate once an update was applied (before the first
-        one the weights are the starting model's, so the learning rate cannot be the cause)."""
+        one the weights are the starting model's, finite as loaded, so the learning rate cannot be the cause)."""
         cfg = self.cfg
         defaults = {name: cfg.__dataclass_fields__[name].default for name in cfg.LOSS_SCALES}
         raised = [f"--{name} (here {getattr(cfg, name):g}, by default {default:g})"
@@ -330,9 +335,9 @@ class Run:
         helps = ["a smaller " + " or ".join(raised)] if raised else []
         if self.updated:
             helps.append("a lower --learning_rate")
-        if not helps:
-            return ("no update had been applied yet, so the starting model or the data gives it: check that --model "
-                    "holds finite weights")
+        if not helps:  # (common.load_model refuses a model with a NaN or inf weight, naming it)
+            return ("no update had been applied yet and every model was loaded with finite weights, so a forward pass "
+                    "overflowed: check the scale of the data and of the starting weights")
         return " or ".join(helps) + " usually helps"
 
     def nothing_to_learn(self, why: str, metrics: dict | None = None):
@@ -380,7 +385,7 @@ class Run:
         for folder, model in models.items():
             path = os.path.join(self.dir, folder) if folder else self.dir
             if folder and is_main_process():
-                os.makedirs(path, exist_ok=True)
+                own_folder(path)
             save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder, self.cfg.fsdp)
         write_json(os.path.join(self.dir, "eval.json"), self.scores)
         png = plot_metrics(self.dir, plots, title)
@@ -488,8 +493,8 @@ def save_checkpoint(model, tokenizer, output_dir: str, merge_lora: bool = False,
     Rank 0 writes; a sharded model (sharded: --fsdp, Run.shard split it) is first gathered whole, from
     every process (--merge_lora is refused with --fsdp: check_fsdp)."""
     if merge_lora and hasattr(model, "merge_and_unload") and is_main_process():
-        os.makedirs(os.path.join(output_dir, "merged"), exist_ok=True)
-        save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, os.path.join(output_dir, "merged"))
+        merged = own_folder(os.path.join(output_dir, "merged"))
+        save_checkpoint(copy.deepcopy(model).merge_and_unload(), tokenizer, merged)
     state_dict = full_state_dict(model) if sharded else None  # FSDP: every process sends its shards
     if not is_main_process():
         return
@@ -563,6 +568,32 @@ def remove(path: str):
         os.remove(path)
     elif os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
+
+
+# A run writes, moves and removes only inside its folder, and a link never changes that. Every write goes
+# through one of three doors: a file written whole, then renamed into place (written_whole: the model, eval.json,
+# run.json, the PNG, the logs at --resume; a rename replaces a link or a hard link's name, never what it points to),
+# a log appended to (own_file first), or a folder of the run's (own_folder first). Removing a link removes the link
+# (remove), and the folders a run moves files out of are never links (prepare_output_dir refuses a .next_run link).
+def own_file(path: str) -> str:
+    """Make `path` a file of the run's own before it is appended to: a symbolic link there is removed (what it
+    points to is never written), and a file with a second hard link (the same bytes under another name, maybe
+    outside the folder) is first copied to a file of its own, so the other name keeps what it held. Returns path."""
+    if os.path.islink(path):
+        os.remove(path)
+    elif os.path.isfile(path) and os.stat(path).st_nlink > 1:
+        with written_whole(path) as temporary:
+            shutil.copyfile(path, temporary)
+    return path
+
+
+def own_folder(path: str) -> str:
+    """Make `path` a folder of the run's own before anything is written into it (a model's subfolder: critic/,
+    merged/): a symbolic link there is removed, never written through. Returns path."""
+    if os.path.islink(path):
+        os.remove(path)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def save_training_state(run_dir: str, record: dict, step: int, results: dict, models, optimizers, schedulers, rng,
@@ -651,17 +682,49 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng, shard
     if generators["cuda"]:
         torch.cuda.set_rng_state_all(generators["cuda"])
     rng.setstate(generators["data"])
-    if is_main_process():  # the metrics as they were at the checkpoint: what was logged after it is logged again
-        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
-            f.writelines(state["metrics"])
-        completions = os.path.join(run_dir, "completions.jsonl")  # the same for the samples logged after it
-        if os.path.isfile(completions):
-            with open(completions) as f:
-                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= state["step"]]
-            with open(completions, "w") as f:
-                f.writelines(kept)
+    if is_main_process():  # the logs as they were at the checkpoint: what was logged after it is logged again
+        completions = os.path.join(run_dir, "completions.jsonl")
+        kept = completions_up_to(completions, state["step"])  # read and checked before anything is rewritten
+        write_lines(os.path.join(run_dir, "metrics.jsonl"), state["metrics"])
+        if kept is not None:
+            write_lines(completions, kept)
     log(f"resumed from {path} at step {state['step']}")
     return state["step"], state["results"]
+
+
+def completions_up_to(path: str, step: int) -> list[str] | None:
+    """The lines of completions.jsonl logged at or before `step` (a torn last line left out), or None
+    without the file. A line that is not one this repo writes (a JSON object with its step) stops --resume in
+    one sentence, before anything is rewritten. A symbolic link at the name is not the run's file: nothing is
+    read through it, and the run's own file starts again (write_lines replaces the link)."""
+    if os.path.islink(path):
+        return []
+    if not os.path.isfile(path):
+        return None
+    kept = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.endswith("\n"):  # a kill in the middle of a write
+                continue
+            try:
+                logged_at = json.loads(line)["step"]
+                if not isinstance(logged_at, int):
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                fail(f"{path} line {number} is not a line a run writes (a JSON object with its step), so --resume "
+                     "cannot cut the file back to the checkpoint's step; nothing was changed: delete that line, "
+                     "or the file")
+            if logged_at <= step:
+                kept.append(line)
+    return kept
+
+
+def write_lines(path: str, lines: list[str]):
+    """A log file rewritten whole (written_whole: a new file renamed into place, so a link or a second hard
+    link at the name keeps what it held)."""
+    with written_whole(path) as temporary:
+        with open(temporary, "w") as f:
+            f.writelines(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,6 +850,9 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
         return out
     _lock(out)
     next_run = os.path.join(out, NEXT_RUN)
+    if os.path.islink(next_run):  # a run moves files out of its .next_run and runs inside it: never through a link
+        fail(f"{next_run} is a symbolic link (to {os.readlink(next_run)}), and a run's own .next_run never is; "
+             "nothing was changed: remove the link, or choose another --output_dir")
     if os.path.isfile(os.path.join(next_run, ".complete")) and _rank0():  # a kill fell inside the last move-in
         _move_in(out)
     if _rank0():
@@ -801,14 +867,28 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
             fail(f"--resume: no checkpoint in {out} (one is written every --save_steps steps)")
         _check_same_run(cfg, checkpoint, record or run_record(cfg, inputs))
         return run_dir
-    held = sorted(name for name in os.listdir(out) if not name.startswith("."))
-    if held and not cfg.overwrite_output_dir:
+    if not holds_a_run(out):  # a user's folder, or an empty one: the run writes beside what is there
+        clash = sorted(name for name in os.listdir(out) if written_by_a_run(name))
+        if clash:
+            fail(f"--output_dir {out} holds no run of this repo (no run.json, checkpoint or metrics.jsonl) but files "
+                 f"with names a run writes ({', '.join(clash[:3])}{', ...' if len(clash) > 3 else ''}), which it "
+                 "would overwrite; nothing was removed: choose another --output_dir, or move those files")
+        return out
+    if not cfg.overwrite_output_dir:
+        held = sorted(name for name in os.listdir(out) if not name.startswith("."))
         fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
              + ("--resume true continues it, " if hasattr(cfg, "resume") else "")
              + "--overwrite_output_dir true replaces it when the new run finishes, or choose another folder")
-    if held:
-        run_files(out)  # the old run's record, checked now: the new run will remove what it lists
-    return next_run if held else out
+    run_files(out)  # the old run's record, checked now: the new run will remove what it lists
+    return next_run
+
+
+def holds_a_run(folder: str) -> bool:
+    """Does `folder` hold a run of this repo: its record (run.json, which a finished run writes), a checkpoint
+    (every --save_steps), or the metrics.jsonl a training run starts with? Only such a folder is a run to
+    replace or continue: any other folder's files stay."""
+    return (os.path.lexists(os.path.join(folder, RUN_FILE)) or newest_checkpoint(folder) is not None
+            or os.path.lexists(os.path.join(folder, "metrics.jsonl")))
 
 
 def written_by_a_run(name: str) -> bool:
@@ -843,13 +923,22 @@ def run_files(folder: str, record: str = RUN_FILE) -> set[str]:
     return set(files)
 
 
+def a_leftover(name: str) -> bool:
+    """Is `name` a temporary name this repo writes: checkpoint.tmp, a model's .checkpoint_tmp, or the
+    .<name>.tmp of written_whole for a file a run writes (.complete's included)? A user's .notes.tmp is none."""
+    if name in ("checkpoint.tmp", ".checkpoint_tmp"):
+        return True
+    written = name[1:-len(".tmp")] if name.startswith(".") and name.endswith(".tmp") else ""
+    return written == ".complete" or written_by_a_run(written)
+
+
 def remove_leftovers(output_dir: str):
     """What a kill during a save left (checkpoint.tmp, a model's .checkpoint_tmp, in the folder, its
     .next_run or a model's subfolder; a .<name>.tmp of written_whole) goes when the next run into the
-    folder starts, whatever that run is: for a real model each is a model's size. Call it with the folder
-    locked."""
+    folder starts, whatever that run is: for a real model each is a model's size. Only those names
+    (a_leftover); a user's other files stay. Call it with the folder locked, once a .next_run link was refused."""
     for folder in (output_dir, os.path.join(output_dir, NEXT_RUN)):
-        if not os.path.isdir(folder):
+        if not os.path.isdir(folder) or os.path.islink(folder):
             continue
         subfolders = [os.path.join(folder, name) for name in os.listdir(folder)
                       if os.path.isdir(os.path.join(folder, name)) and not os.path.islink(os.path.join(folder, name))]
@@ -857,7 +946,7 @@ def remove_leftovers(output_dir: str):
             for name in ("checkpoint.tmp", ".checkpoint_tmp"):
                 remove(os.path.join(parent, name))
         for name in os.listdir(folder):  # a file written_whole was writing when the kill came
-            if name.startswith(".") and name.endswith(".tmp"):
+            if a_leftover(name):
                 remove(os.path.join(folder, name))
 
 
@@ -927,7 +1016,7 @@ def start_output_dir(run_dir: str, metrics: bool = True):
             remove(run_dir)
             os.makedirs(run_dir)
         if metrics:
-            open(os.path.join(run_dir, "metrics.jsonl"), "w").close()
+            open(own_file(os.path.join(run_dir, "metrics.jsonl")), "w").close()
 
 
 def finish_output_dir(run_dir: str, cfg, record: dict):
@@ -936,7 +1025,7 @@ def finish_output_dir(run_dir: str, cfg, record: dict):
     if not is_main_process():
         return
     promote_checkpoint(run_dir)
-    files = sorted(name for name in os.listdir(run_dir) if not name.startswith("."))
+    files = sorted(name for name in os.listdir(run_dir) if written_by_a_run(name))  # a user's files beside: not
     write_json(os.path.join(run_dir, RUN_FILE), {**record, "files": sorted({*files, RUN_FILE})})
     if os.path.basename(run_dir) == NEXT_RUN:
         write_json(os.path.join(run_dir, ".complete"), {"files": sorted({*files, RUN_FILE})})  # from here on, a kill is
@@ -973,7 +1062,8 @@ def log_metrics(output_dir: str, metrics: dict):
     """Append one JSON object to <output_dir>/metrics.jsonl (rank 0 only)."""
     if not is_main_process():
         return
-    with writing("metrics.jsonl", output_dir), open(os.path.join(output_dir, "metrics.jsonl"), "a") as f:
+    path = own_file(os.path.join(output_dir, "metrics.jsonl"))
+    with writing("metrics.jsonl", output_dir), open(path, "a") as f:
         f.write(_json_line(metrics))
 
 
@@ -988,7 +1078,8 @@ def log_completions(output_dir: str, step: int, **columns):
     as TRL's log_completions and nano-aha-moment's episode dumps keep them (rank 0's share only)."""
     if not is_main_process():
         return
-    with writing("completions.jsonl", output_dir), open(os.path.join(output_dir, "completions.jsonl"), "a") as f:
+    path = own_file(os.path.join(output_dir, "completions.jsonl"))
+    with writing("completions.jsonl", output_dir), open(path, "a") as f:
         for i in range(len(next(iter(columns.values())))):
             row = {"step": step, **{k: v[i] for k, v in columns.items()}}
             f.write(_json_line(row))
@@ -1004,6 +1095,7 @@ def written_whole(path: str):
     full disk) leaves the file that was there whole and no torn one: one sentence (writing)."""
     folder = os.path.dirname(path) or "."
     temporary = os.path.join(folder, f".{os.path.basename(path)}.tmp")
+    remove(temporary)  # a leftover, or a link at that name: never written through
     with writing(os.path.basename(path), folder, temporary=temporary):
         yield temporary
         os.replace(temporary, path)
