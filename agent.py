@@ -10,8 +10,9 @@ episode of several turns:
                              ^^^^^^^^^^^^^^^^^^                                    the calculator's (reply_mask 1)
 
 The calculator's tokens are observations, as the prompt is: they are in the input of every later
-token, but the policy did not choose them, so they take no loss, no KL, no entropy and no importance
-ratio (step 5's mask). The reward is grpo.py's (the number, the format), minus --tool_call_cost per
+token, but the policy did not choose them, so they are never read as a call (calls are read from the
+policy's tokens only, policy_text) and they take no loss, no KL, no entropy and no importance ratio
+(step 5's mask, action_mask). The reward is grpo.py's (the number, the format), minus --tool_call_cost per
 call; GRPO's advantage is one number per episode, given to every action token of every turn.
 
     python sft.py --dataset data/tool_demos --output_dir out/sft_tool   # the teacher calls it in half its demos
@@ -24,7 +25,7 @@ One training step, grpo.py's five with two changes (marked in main()'s loop):
   2. rewards: grpo.py's reward functions, and -tool_call_cost x calls   rewards  [B*G]
   3. advantages: grpo.advantages_of                     advantages  [B*G]
   4. reference log-probs (beta > 0), old log-probs (num_iterations > 1)
-  5. grpo.grpo_loss on the policy's tokens only: mask = completion_mask x (1 - reply_mask)
+  5. grpo.grpo_loss on the policy's tokens only: mask = completion_mask x (1 - reply_mask)  (action_mask)
 
 Every GRPO setting of grpo.py works here (loss types, advantage estimators, clip ranges, LoRA,
 torchrun) except --dynamic_sampling. What is left out, and why: one tool (a second is one more
@@ -52,6 +53,9 @@ from common import setting
 from data.make_data import problem_kind
 
 KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind
+# The most a completion may pay for its calls: the rewards' standard deviation squares their differences, and
+# this price squared (1e30), summed over up to 1e8 completions, stays below float32's largest number (3.4e38).
+MAX_PRICE = 1e15
 
 
 @dataclass
@@ -61,14 +65,24 @@ class Config(grpo.Config):
     """calculator calls answered per completion; a call beyond them is answered 'error: no calls left'
     (0: every call refused, GRPO without the calculator)"""
     tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """reward taken off per call (refused calls too): the price of asking"""
+    """reward taken off per call (refused calls too): the price of asking. A completion makes at most one call per
+    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e15: the standard
+    deviation of the rewards squares their differences, and a larger price squared overflows float32"""
     model: str = "out/sft_tool"
     output_dir: str = "out/agent"
+
+    LOSS_SCALES = (*grpo.Config.LOSS_SCALES, "tool_call_cost")  # scales the rewards: named in the advice after a NaN
 
     def check_together(self):
         super().check_together()
         if self.dynamic_sampling:
             common.fail("agent.py does not implement --dynamic_sampling (grpo.py does): leave it out")
+        most_paid = self.tool_call_cost * self.max_completion_length  # every call ends on one of the policy's tokens
+        if most_paid > MAX_PRICE:
+            common.fail(f"--tool_call_cost x --max_completion_length ({self.tool_call_cost:g} x "
+                        f"{self.max_completion_length}), the most a completion can pay for its calls, must be at most "
+                        f"{MAX_PRICE:g}: the standard deviation of the rewards squares their differences, and a larger "
+                        "price squared overflows float32 (its largest number is 3.4e38)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +107,8 @@ def calculator(call: str) -> str:
 
 
 def tool_reply(text: str, calls_made: int, max_tool_calls: int) -> str | None:
-    """The calculator's turn after the policy's text so far: None if no call waits for a reply (every
+    """The calculator's turn after the policy's own text so far (policy_text: the calculator's replies left
+    out, so that a reply quoting a tag is never read as a call): None if no call waits for a reply (every
     </calc> in the text has one), else '<result>...</result>' for the last call, the text between
     the last <calc> and the last </calc>; a call beyond max_tool_calls gets an error. Text the policy
     wrote after </calc> in the same token that is the reply's start ('<') is not repeated."""
@@ -109,6 +124,14 @@ def tool_reply(text: str, calls_made: int, max_tool_calls: int) -> str | None:
     # as '</', 'calc', '><'): the reply then goes on from where the policy's text stops.
     tail = text[end + len("</calc>"):]
     return reply[len(tail):] if reply.startswith(tail) else reply
+
+
+def policy_text(tokenizer, ids: torch.Tensor, reply_mask: torch.Tensor) -> str:
+    """The policy's own text in one episode so far, what tool_reply reads for calls: ids [t] decoded
+    without the calculator's tokens (reply_mask [t], 1 on them), its turns joined. The calculator's
+    replies are observations, not actions: the reply 'error: no <calc> before </calc>' holds a
+    '</calc>' that the policy did not write."""
+    return tokenizer.decode(ids[reply_mask == 0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +155,7 @@ class Episodes:
 def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
                         temperature: float = 1.0, greedy: bool = False) -> Episodes:
     """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
-    the environment's turn inside it. After each step, a row whose text closes a call (tool_reply) gets
+    the environment's turn inside it. After each step, a row whose own text closes a call (tool_reply) gets
     the reply's tokens. They go into the cache with the row's sampled token, one forward pass of width
     1 + the longest reply: a short prefill. Rows that call and rows that do not stay in one batch; a row
     that does not call pads the extra columns, masked out of attention (holes in the cache that its
@@ -169,7 +192,9 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
             for i, row in enumerate(rows.tolist()):
                 if finished[i] or not may_close[next_tokens[i]]:
                     continue
-                reply = tool_reply(tokenizer.decode(completion_ids[row, : lengths[row]]), calls[row], max_tool_calls)
+                written = slice(0, int(lengths[row]))
+                text = policy_text(tokenizer, completion_ids[row, written], reply_mask[row, written])
+                reply = tool_reply(text, calls[row], max_tool_calls)
                 if reply is not None:
                     calls[row] += 1
                     room = max_new_tokens - int(lengths[row])  # the budget counts the calculator's tokens
@@ -266,6 +291,17 @@ def evaluate_with_tools(model, tokenizer, dataset, cfg) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Step 5's mask: the loss on the policy's tokens only
+# ---------------------------------------------------------------------------------------------
+def action_mask(completion_mask: torch.Tensor, reply_mask: torch.Tensor) -> torch.Tensor:
+    """[N, T]: 1 on the policy's own tokens (its actions), 0 on the calculator's and on padding:
+    completion_mask [N, T] x (1 - reply_mask [N, T]). The calculator's tokens are observations, as the
+    prompt is: the policy did not choose them, so they take no loss, no KL, no entropy and no ratio.
+    completion_mask [1,1,1,1,1,0], reply_mask [0,0,1,1,0,0] -> [1,1,0,0,1,0]."""
+    return completion_mask * (1 - reply_mask)
+
+
+# ---------------------------------------------------------------------------------------------
 # Training loop: grpo.py's, with the calculator in step 1 and the mask in step 5
 # ---------------------------------------------------------------------------------------------
 def main(cfg: Config):
@@ -301,7 +337,7 @@ def main(cfg: Config):
         # 3. Group-relative advantages.
         advantages = grpo.advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)
         # The tokens that carry loss: the policy's own, not the calculator's.
-        policy_mask = episodes.completion_mask * (1 - episodes.reply_mask)  # [B*G, T]
+        policy_mask = action_mask(episodes.completion_mask, episodes.reply_mask)  # [B*G, T]
         if cfg.mask_truncated_completions:
             policy_mask = grpo.drop_truncated(episodes.completion_ids, policy_mask, tokenizer.eos_token_id)
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agent
 import common
@@ -103,7 +103,7 @@ def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(sav
     attention_mask = torch.cat([episodes.prompt_mask, episodes.completion_mask], dim=1)
     with torch.no_grad():
         logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, episodes.completion_ids.shape[1])
-    policy = (episodes.completion_mask * (1 - episodes.reply_mask)).bool()
+    policy = agent.action_mask(episodes.completion_mask, episodes.reply_mask).bool()
     assert_close(episodes.sampler_logprobs[policy], logprobs[policy], terms=forward_terms(model.config),
                  scale=logprobs[policy].abs().max().item())
     assert (episodes.sampler_logprobs[~policy] == 0).all()
@@ -129,7 +129,78 @@ def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch,
     assert int(episodes.reply_mask.sum()) == (len(tokenizer("<resul")["input_ids"]) if calls else 0)
 
 
+ORPHAN = "<result>error: no <calc> before </calc></result>"  # the reply to a </calc> with no <calc>: both tags
+
+
+def test_policy_text_is_the_policys_tokens_without_the_calculators():
+    """The text tool_reply reads: the policy's turns joined, the replies between them left out. The reply to
+    an orphan </calc> holds a '</calc>' of its own; read from the whole completion it would be a second call."""
+    tokenizer = common.build_tokenizer()
+    turns = ["<think>47+85</calc>", ORPHAN, "</think><answer>132</answer>"]
+    pieces = [tokenizer(turn, add_special_tokens=False)["input_ids"] for turn in turns]
+    ids = torch.tensor([token for piece in pieces for token in piece])  # [t]
+    reply_mask = torch.tensor([0] * len(pieces[0]) + [1] * len(pieces[1]) + [0] * len(pieces[2]))  # [t]
+    text = agent.policy_text(tokenizer, ids, reply_mask)
+    assert text == "<think>47+85</calc></think><answer>132</answer>"
+    assert agent.tool_reply(text, 1, 2) is None  # the one call is answered
+    assert agent.tool_reply(tokenizer.decode(ids), 1, 2) is not None  # what reading the reply as the policy's gives
+
+
+@pytest.mark.parametrize("script, replies, calls", [
+    # the policy closes a call it never opened, then answers: one call, the answer's tags right after </think>
+    ("<think>47+85</calc></think><answer>132</answer>", [ORPHAN], 1),
+    # the orphan, then a call of its own: the second reply is 42, not a reply to the tags quoted in the first
+    ("<think>47+85</calc> so <calc>2*21</calc></think><answer>42</answer>", [ORPHAN, "<result>42</result>"], 2),
+])
+def test_an_orphan_closing_tag_is_one_call_whose_reply_is_never_read_as_the_policys(saved_tiny, monkeypatch, script,
+                                                                                      replies, calls):
+    """The reply to an orphan </calc> quotes both tags. The calls are counted in the policy's tokens only:
+    the reply comes once, right after the policy's </calc>, and every token after it is the policy's."""
+    path, tokenizer, _ = saved_tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    scripted_policy(monkeypatch, tokenizer, [script])
+    episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 200,
+                                         max_tool_calls=2)
+    ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
+    pieces = script.split("</calc>")
+    expected = "".join(piece + "</calc>" + reply for piece, reply in zip(pieces, replies)) + pieces[-1]
+    assert tokenizer.decode(ids) == expected + tokenizer.eos_token
+    assert episodes.calls.tolist() == [calls]
+    assert tokenizer.decode(ids[tool.bool()]) == "".join(replies)
+    assert tokenizer.decode(ids[tool == 0]) == script + tokenizer.eos_token
+    last_reply = int(tool.nonzero().max())
+    assert (tool[last_reply + 1 :] == 0).all() and (episodes.sampler_logprobs[0, last_reply + 1 :] != 0).all()
+
+
+def test_a_token_that_closes_a_call_and_opens_the_reply_still_does_after_an_orphan(saved_tiny, monkeypatch):
+    """SmolLM2's BPE writes '</calc><' as '</', 'calc', '><': one token closes the call and opens the
+    reply's tag. Here the tiny tokenizer gets a '><' token: after an orphan </calc> and its reply, the
+    policy calls 4+5 and closes with '><'; the reply goes on from the policy's '<' ('result>9</result>')."""
+    path, _, _ = saved_tiny
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["><"])
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.resize_token_embeddings(len(tokenizer))
+    script = "<think>47+85</calc> so <calc>4+5</calc><</think><answer>9</answer>"
+    assert "><" in tokenizer.convert_ids_to_tokens(tokenizer(script, add_special_tokens=False)["input_ids"])
+    scripted_policy(monkeypatch, tokenizer, [script])
+    episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], 200,
+                                         max_tool_calls=2)
+    ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
+    assert tokenizer.decode(ids) == ("<think>47+85</calc>" + ORPHAN + " so <calc>4+5</calc><result>9</result>"
+                                     "</think><answer>9</answer>" + tokenizer.eos_token)
+    assert episodes.calls.tolist() == [2]
+    assert tokenizer.decode(ids[tool.bool()]) == ORPHAN + "result>9</result>"
+
+
 # --- the mask: the calculator's tokens take no loss, KL, entropy or ratio -----------------------------------------
+def test_the_action_mask_is_1_on_the_policys_tokens_only():
+    """By hand: the calculator's tokens (reply_mask 1) and the padding (completion_mask 0) get 0."""
+    completion_mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]])
+    reply_mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 0, 0, 0, 0]])
+    assert agent.action_mask(completion_mask, reply_mask).tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 0, 0]]
+
+
 def test_the_loss_and_its_gradient_ignore_the_calculators_tokens():
     """The loss as a function of the per-token log-probs (pi, pi_old, pi_ref) with policy_mask: whatever
     the values at the calculator's positions (what a changed tool token would change there), the loss and
@@ -141,7 +212,7 @@ def test_the_loss_and_its_gradient_ignore_the_calculators_tokens():
     completion_mask[1, 7:] = 0
     reply_mask = torch.zeros(N, T, dtype=torch.long)
     reply_mask[0, 3:6] = reply_mask[2, 1:4] = 1
-    policy_mask = completion_mask * (1 - reply_mask)
+    policy_mask = agent.action_mask(completion_mask, reply_mask)
     advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])
     old, ref = torch.randn(N, T) - 2, torch.randn(N, T) - 2
     for loss_type in ("grpo", "dapo", "dr_grpo", "bnpo"):
@@ -172,7 +243,7 @@ def test_no_gradient_reaches_the_logits_that_predict_the_calculators_tokens(save
     logits = model(input_ids=input_ids).logits
     logits.retain_grad()
     logprobs = rollout.gather_logprobs(logits[:, -T - 1 : -1], episodes.completion_ids)  # [1, T]
-    policy_mask = episodes.completion_mask * (1 - episodes.reply_mask)
+    policy_mask = agent.action_mask(episodes.completion_mask, episodes.reply_mask)
     grpo.grpo_loss(logprobs, None, logprobs.detach() - 0.1, torch.tensor([1.0]), policy_mask, 0.2, 0.04).backward()
     grad = logits.grad[0, -T - 1 : -1].abs().sum(dim=-1)  # [T]: at the position predicting each completion token
     assert (grad[episodes.reply_mask[0].bool()] == 0).all() and (grad[policy_mask[0].bool()] > 0).all()
@@ -208,6 +279,27 @@ def test_a_run_logs_the_calls_and_the_policys_tokens_only(sft_checkpoint, tmp_pa
 
     for row in steps:  # its own rollout's log-probs against the trainer's, over the policy's tokens
         assert_float32_gap(row, sft_checkpoint)
+
+
+def test_a_price_whose_square_could_overflow_float32_is_refused_where_settings_are_checked():
+    """The most a completion can pay, tool_call_cost x max_completion_length (one call per token at most), must
+    be at most agent.MAX_PRICE, 1e15: above it the rewards' standard deviation could overflow float32."""
+    import checks
+    checks.check_settings(agent.Config(tool_call_cost=1e15 / 64, max_completion_length=64))  # at the bound
+    with pytest.raises(SystemExit, match=r"--tool_call_cost x --max_completion_length \(2e\+13 x 128\), the most"):
+        checks.check_settings(agent.Config(tool_call_cost=2e13, max_completion_length=128))
+
+
+def test_a_price_that_overflows_float32_exits_1_in_one_sentence_before_loading_anything(tmp_path):
+    """From the command line: one sentence, exit status 1, no traceback, before the model (absent here)
+    is loaded and before the output folder is made."""
+    out = tmp_path / "o"
+    result = run("agent.py", "--tool_call_cost", "1e39", "--output_dir", str(out), "--model", str(tmp_path / "none"),
+                 check=False)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --tool_call_cost x --max_completion_length (1e+39 x 64)"), last
+    assert result.returncode == 1 and "overflows float32" in last and "Traceback" not in result.stderr
+    assert not out.exists()
 
 
 def test_the_calculators_settings_are_checked_where_they_are_declared():
