@@ -272,14 +272,14 @@ def main(cfg: Config):
     device = distributed.get_device()
     test = common.load_splits(cfg.dataset, ("question", "answer"), cfg.num_eval_examples)[1]
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                         trust_remote_code=cfg.trust_remote_code)
+                                         trust_remote_code=cfg.trust_remote_code, flag="--model")
     common.check_prompts_fit(model, tokenizer, list(test["question"]), cfg.system_prompt, cfg.max_completion_length,
                              cfg.dataset)
     judge = judge_tokenizer = None
     if cfg.judge != "rule":
         judge, judge_tokenizer = common.load_model(
             cfg.judge, scalar_head=True, reward_model=True, trust_remote_code=cfg.trust_remote_code,
-            missing_hint="--judge takes 'rule' or a folder written by reward_model.py")
+            missing_hint="--judge takes 'rule' or a folder written by reward_model.py", flag="--judge")
         judge.to(device).eval()
         if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
             judge_tokenizer = None

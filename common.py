@@ -188,10 +188,11 @@ def build_tiny_model(tokenizer, hidden_size=128, num_layers=4, num_heads=4) -> t
 # Loading and saving models: a folder, a hub id, a LoRA adapter, a .gguf file
 # ---------------------------------------------------------------------------------------------
 def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = False, trust_remote_code: bool = False,
-               reward_model: bool = False):
+               reward_model: bool = False, flag: str = ""):
     """(model, tokenizer) from a local folder or a hub id; a missing folder is one clear sentence.
     Weights are read from safetensors only (no pickle), and a model's own Python code runs only
-    with trust_remote_code (--trust_remote_code).
+    with trust_remote_code (--trust_remote_code). Every model it returns holds finite weights
+    (check_finite_weights); flag, the setting that named the model (e.g. "--model"), goes in that refusal.
 
     scalar_head=True loads the transformer with a linear N -> 1 head instead of the LM head
     (AutoModelForSequenceClassification, num_labels=1): the reward model and the critic. From an
@@ -201,7 +202,8 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
 
     A .gguf file (llama.cpp's format) loads too: see load_gguf."""
     if name_or_path.endswith(".gguf") or os.path.isfile(name_or_path):
-        return check_vocabulary(*load_gguf(name_or_path, scalar_head), name_or_path)
+        model, tokenizer = load_gguf(name_or_path, scalar_head)
+        return check_loaded(model, tokenizer, name_or_path, flag)
     is_local = os.path.exists(name_or_path) or name_or_path.startswith((".", "/", "out", "data"))
     if is_local and os.path.isdir(name_or_path):
         check_whole_run(name_or_path)
@@ -240,7 +242,30 @@ def load_model(name_or_path: str, missing_hint: str = "", scalar_head: bool = Fa
     if not tokenizer.chat_template:
         fail(f"the tokenizer of {name_or_path} has no chat template, and every prompt is a chat: use a chat (instruct) "
              "model, or add a chat_template to its tokenizer_config.json")
-    return check_vocabulary(model, tokenizer, name_or_path)
+    return check_loaded(model, tokenizer, name_or_path, flag)
+
+
+def check_loaded(model, tokenizer, name: str, flag: str = ""):
+    """The checks of every model load_model returns, whatever it was loaded from: (model, tokenizer)."""
+    check_vocabulary(model, tokenizer, name)
+    check_finite_weights(model, name, flag)
+    return model, tokenizer
+
+
+def check_finite_weights(model, name: str, flag: str = ""):
+    """A NaN or infinite weight (a checkpoint damaged when it was trained or saved) would make the first
+    step's loss NaN, and that stop could not say which model gave it: refused here, naming the model's path
+    and the setting that named it. Cheap: one sum of each floating-point parameter and buffer (a NaN or inf
+    makes its tensor's sum NaN or inf, and a sum is ~15x faster than isfinite on a CPU), and isfinite only on
+    a tensor whose sum is not finite (a sum of finite weights that overflows: isfinite then counts none)."""
+    tensors = [t.detach() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    suspects = [t for t in tensors if not torch.isfinite(t.sum())]
+    bad = sum(int((~torch.isfinite(t)).sum()) for t in suspects)
+    if bad:
+        total = sum(t.numel() for t in tensors)
+        named = f"{name} ({flag})" if flag else name
+        fail(f"the model at {named} holds NaN or infinite values in {bad:,} of its {total:,} weights: it was damaged "
+             "when it was trained or saved; train it again, or choose another")
 
 
 def check_vocabulary(model, tokenizer, name: str):
@@ -401,7 +426,7 @@ def load_policy_and_prompts(cfg, per_step: int, columns=("question", "answer")):
     --max_completion_length (check_prompts_fit). Returns (train, test, model, tokenizer, longest)."""
     train, test = load_splits(cfg.dataset, columns, cfg.num_eval_examples, per_step)
     model, tokenizer = load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                  trust_remote_code=cfg.trust_remote_code)
+                                  trust_remote_code=cfg.trust_remote_code, flag="--model")
     questions = list(train[columns[0]]) + list(test[columns[0]])
     longest = check_prompts_fit(model, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length, cfg.dataset)
     return train, test, model, tokenizer, longest

@@ -103,11 +103,13 @@ def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float)
 
 
 def load_teacher(cfg, tokenizer, student, device):
-    """The teacher, frozen, in eval mode: refused in one sentence unless it reads the student's ids and
-    predicts over the same vocabulary."""
+    """The teacher, frozen, in eval mode. Refused in one sentence: a teacher that does not read the student's
+    ids or predict over the same vocabulary, and the student itself (every weight equal, wherever it was loaded
+    from), whose divergence from the student is 0 at every token: the run would train on a zero loss."""
     teacher, teacher_tokenizer = common.load_model(cfg.teacher_model_name_or_path,
                                                    missing_hint="train one first (e.g. `python grpo.py`)",
-                                                   trust_remote_code=cfg.trust_remote_code)
+                                                   trust_remote_code=cfg.trust_remote_code,
+                                                   flag="--teacher_model_name_or_path")
     if not common.same_tokenizer(teacher_tokenizer, tokenizer):
         common.fail(f"the teacher {cfg.teacher_model_name_or_path} has another tokenizer than the student {cfg.model}: "
                     "distillation compares their distributions token by token, so both need the same vocabulary")
@@ -115,7 +117,18 @@ def load_teacher(cfg, tokenizer, student, device):
     if rows != teacher_rows:
         common.fail(f"the teacher predicts over {teacher_rows} tokens and the student over {rows}: use models with "
                     "the same vocabulary size")
+    if same_weights(teacher, student):
+        common.fail(f"the teacher {cfg.teacher_model_name_or_path} holds the same weights as the student {cfg.model}: "
+                    "the divergence between them is 0 at every token, so there is nothing to learn; pass a teacher "
+                    "trained beyond the student as --teacher_model_name_or_path (e.g. out/grpo)")
     return teacher.to(device).eval().requires_grad_(False)
+
+
+def same_weights(a, b) -> bool:
+    """Whether two models hold tensors of the same names, each equal to the other's in shape and every value:
+    one model, even when its two copies were loaded from two folders."""
+    weights_a, weights_b = a.state_dict(), b.state_dict()
+    return weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
 def step_log(loss, accuracy, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,

@@ -431,7 +431,7 @@ def main(cfg: Config):
 
     # models: the policy; pi_ref (a frozen copy, or LoRA switched off; SimPO needs none); the judge
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first",
-                                         trust_remote_code=cfg.trust_remote_code)
+                                         trust_remote_code=cfg.trust_remote_code, flag="--model")
     questions = list(test_data["question"]) + (list(prompts["question"]) if cfg.online else [])
     longest = common.check_prompts_fit(model, tokenizer, questions, cfg.system_prompt, cfg.max_completion_length,
                                        cfg.prompts)
@@ -441,7 +441,7 @@ def main(cfg: Config):
     if judge_path:
         judge_model, judge_tokenizer = common.load_model(
             judge_path, scalar_head=True, reward_model=True, trust_remote_code=cfg.trust_remote_code,
-            missing_hint="--judge takes 'rule' or a folder written by reward_model.py")
+            missing_hint="--judge takes 'rule' or a folder written by reward_model.py", flag="--judge")
         judge_model.to(run.device).eval().requires_grad_(False)
         if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
             judge_tokenizer = None

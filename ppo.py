@@ -421,14 +421,15 @@ def load_reward_model_and_critic(cfg, tokenizer, device):
         return reward_model, load_scalar_model(cfg, "--value_model", cfg.value_model, tokenizer,
                                                "it takes a folder written by reward_model.py")
     if reward_model is None:
-        return None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code)[0]
+        return None, common.load_model(cfg.model, scalar_head=True, trust_remote_code=cfg.trust_remote_code,
+                                       flag="--model")[0]
     return reward_model, copy.deepcopy(reward_model).requires_grad_(True)  # the critic starts as the reward model
 
 
 def load_scalar_model(cfg, flag: str, folder: str, tokenizer, hint: str):
     """A reward model folder (reward_model.py's), on the policy's tokenizer: one sentence otherwise."""
     model, own_tokenizer = common.load_model(folder, missing_hint=hint, scalar_head=True, reward_model=True,
-                                             trust_remote_code=cfg.trust_remote_code)
+                                             trust_remote_code=cfg.trust_remote_code, flag=flag)
     if not common.same_tokenizer(own_tokenizer, tokenizer):
         common.fail(f"{flag} {folder} has a tokenizer of its own, not --model's: ppo.py's critic starts as a "
                     "reward model and values each of the policy's tokens, so the two must share one "

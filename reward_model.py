@@ -191,7 +191,7 @@ def main(cfg: Config):
 
     # The SFT model with a fresh N -> 1 head in place of its LM head.
     model, tokenizer = common.load_model(cfg.model, missing_hint="run `python sft.py` first", scalar_head=True,
-                                         trust_remote_code=cfg.trust_remote_code)
+                                         trust_remote_code=cfg.trust_remote_code, flag="--model")
     model.config.pad_token_id = tokenizer.pad_token_id
     model = run.prepare(model, scalar_head=True)  # LoRA: adapters and the head trained; DDP: rank 0's head everywhere
     run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
@@ -211,7 +211,7 @@ def main(cfg: Config):
         if common.extract_answer(train_data[0]["chosen"]) is None:
             common.fail(f"--policy_prompts needs chosen answers with <answer> tags, and {cfg.dataset} has none: "
                         "pass --policy_prompts 0")
-        policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)[0].to(run.device)
+        policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code, flag="--model")[0].to(run.device)
         train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
         # DDP: each process samples on its own share of the prompts
         extra = policy_pairs(policy, tokenizer, distributed.process_share(train_prompts),

@@ -127,7 +127,7 @@ def main(cfg: Config):
         tokenizer = common.build_tokenizer()
         model = common.build_tiny_model(tokenizer, **common.TINY_SIZES[cfg.model])
     else:
-        model, tokenizer = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        model, tokenizer = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code, flag="--model")
     model = run.prepare(model)  # gradient checkpointing, LoRA, device; DDP: rank 0's weights on every process
     run.shard(model)  # --fsdp: each process keeps 1/N of every weight, gradient and AdamW state
     common.check_system_prompt(model, tokenizer, cfg.system_prompt)  # before any prompt is made with it

@@ -1,9 +1,13 @@
-"""Tokenizer round trip, data parsing, and that log-probs line up with what generation sampled."""
+"""Tokenizer round trip, data parsing, model loading's refusals, and that log-probs line up with what
+generation sampled."""
+import copy
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 import common
@@ -100,6 +104,45 @@ def test_load_split_errors_are_one_sentence(tmp_path):
 def test_load_model_missing_folder_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="run `python sft.py` first"):
         common.load_model(str(tmp_path / "sft"), missing_hint="run `python sft.py` first")
+
+
+def damaged_copy(folder, to):
+    """A copy of a saved model folder whose weights hold a NaN and an inf (a checkpoint damaged when it was
+    trained or saved): the path of the copy."""
+    shutil.copytree(folder, to)
+    weights = load_file(to / "model.safetensors")
+    name = next(k for k in weights if "layers.0.mlp.up_proj" in k)
+    weights[name][0, 0], weights[name][0, 1] = float("nan"), float("inf")
+    save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+def test_load_model_refuses_non_finite_weights_naming_the_model(saved_tiny, tmp_path):
+    """A NaN or inf in the weights stops the load in one sentence that names the folder, and the flag that
+    named it when the caller gives one, rather than the first training step's NaN loss."""
+    broken = damaged_copy(saved_tiny[0], tmp_path / "broken")
+    for kwargs, named in (({}, str(broken)), ({"flag": "--model"}, f"{broken} (--model)")):
+        with pytest.raises(SystemExit) as stop:
+            common.load_model(str(broken), **kwargs)
+        text = str(stop.value.code)
+        assert text.startswith(f"error: the model at {named} holds NaN or infinite values in 2 of its "), text
+        assert text.endswith(" weights: it was damaged when it was trained or saved; train it again, or choose another")
+        assert "\n" not in text
+
+
+def test_a_gguf_model_with_non_finite_weights_is_refused_too(saved_tiny, tmp_path, monkeypatch):
+    """A .gguf file goes through the same check: here load_gguf gives the tiny model with an inf in it."""
+    _, tokenizer, model = saved_tiny
+    damaged = copy.deepcopy(model)
+    with torch.no_grad():
+        damaged.model.norm.weight[0] = float("inf")
+    monkeypatch.setattr(common, "load_gguf", lambda path, scalar_head=False: (damaged, tokenizer))
+    path = str(tmp_path / "model.gguf")
+    with pytest.raises(SystemExit) as stop:
+        common.load_model(path)
+    assert str(stop.value.code).startswith(f"error: the model at {path} holds NaN or infinite values in 1 of its ")
+    monkeypatch.setattr(common, "load_gguf", lambda path, scalar_head=False: (model, tokenizer))
+    assert common.load_model(path)[0] is model  # finite: loaded as before
 
 
 def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):

@@ -1,6 +1,8 @@
 """distill.py: the divergences against hand-worked numbers and TRL's own loss, their gradient, and the script."""
+import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import common
 import distill
 from conftest import rotated_tokenizer, run, run_main
 from floats import assert_close
+from test_common import damaged_copy
 
 P_S, P_T = torch.tensor([0.5, 0.5]), torch.tensor([0.9, 0.1])  # one position, a vocabulary of two
 
@@ -190,3 +193,55 @@ def test_a_teacher_with_another_tokenizer_is_refused(sft_checkpoint, saved_tiny,
     result = run("distill.py", "--model", sft_checkpoint, "--teacher_model_name_or_path", str(teacher),
                  "--max_steps", "1", "--output_dir", str(tmp_path / "out"), check=False)
     assert result.returncode != 0 and "another tokenizer" in result.stderr and "Traceback" not in result.stderr
+
+
+QUICK = ["--max_steps", "1", "--per_device_train_batch_size", "8", "--num_eval_examples", "4"]
+
+
+@pytest.mark.parametrize("flag", ["--model", "--teacher_model_name_or_path"])
+def test_a_model_with_non_finite_weights_is_named_by_its_flag(saved_tiny, tmp_path, flag):
+    """A damaged student or teacher stops the run before training in one sentence naming that model's flag, not
+    the first step's NaN loss (which could not say which model gave it)."""
+    broken = str(damaged_copy(saved_tiny[0], tmp_path / "broken"))
+    models = {"--model": str(saved_tiny[0]), "--teacher_model_name_or_path": str(saved_tiny[0]), flag: broken}
+    with pytest.raises(SystemExit) as stop:
+        distill.main(common.parse_config(distill.Config, [*[w for pair in models.items() for w in pair], *QUICK,
+                                                          "--output_dir", str(tmp_path / "out")]))
+    text = str(stop.value.code)
+    assert text.startswith(f"error: the model at {broken} ({flag}) holds NaN or infinite values in 2 of its "), text
+    assert "\n" not in text and not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+NOTHING_TO_LEARN = ("the divergence between them is 0 at every token, so there is nothing to learn; pass a teacher "
+                    "trained beyond the student as --teacher_model_name_or_path (e.g. out/grpo)")
+
+
+def test_a_teacher_that_is_the_student_is_refused(saved_tiny, tmp_path):
+    """`python distill.py --model M --teacher_model_name_or_path M`: a zero loss at every step, so one sentence
+    and a non-zero exit before training, and no model written."""
+    student, out = str(saved_tiny[0]), tmp_path / "out"
+    result = run("distill.py", "--model", student, "--teacher_model_name_or_path", student, *QUICK,
+                 "--output_dir", str(out), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: the teacher {student} holds the same weights as the student {student}: {NOTHING_TO_LEARN}")
+    assert not os.path.exists(out / "model.safetensors")
+
+
+def test_a_teacher_copied_from_the_student_is_refused(saved_tiny, tmp_path):
+    """The student's weights in another folder are the student too: the tensors are compared, not the paths.
+    One value changed makes it another model."""
+    student, copied, out = str(saved_tiny[0]), str(tmp_path / "copied"), tmp_path / "out"
+    shutil.copytree(student, copied)
+    with pytest.raises(SystemExit) as stop:
+        distill.main(common.parse_config(distill.Config, ["--model", student, "--teacher_model_name_or_path", copied,
+                                                          *QUICK, "--output_dir", str(out)]))
+    assert str(stop.value.code) == (
+        f"error: the teacher {copied} holds the same weights as the student {student}: {NOTHING_TO_LEARN}")
+    assert not os.path.exists(out / "model.safetensors")
+    model = saved_tiny[2]
+    other = copy.deepcopy(model)
+    assert distill.same_weights(model, other)
+    with torch.no_grad():
+        other.model.norm.weight[0] += 1e-3
+    assert not distill.same_weights(model, other)
