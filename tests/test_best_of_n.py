@@ -96,6 +96,7 @@ def test_a_judge_with_its_own_tokenizer_scores_the_samples_as_the_same_judge_wit
     assert torch.equal(gold_a, gold_b) and torch.equal(proxy_a, proxy_b) and proxy_a.shape == (2, 4)
 
 
+@pytest.mark.slow
 def test_a_short_evaluation_holds_its_invariants(sft_checkpoint, tmp_path):
     """8 samples of 16 problems: pass@1 is the share of right samples, pass@k never falls with k, maj@1 is
     pass@1 and maj@k never above pass@k, best of N by the checker is pass@N, and the outputs are written."""

@@ -14,7 +14,7 @@ import grpo
 import mix
 import ppo
 from conftest import read_metrics, run_main
-from floats import approx, assert_close
+from floats import approx, assert_close, tolerance
 
 
 def old_grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type):
@@ -86,6 +86,111 @@ def test_dr_grpo_divides_by_a_constant_and_bnpo_by_the_micro_batch_tokens():
     dapo = sum(grpo.grpo_loss(logprobs[p], old[p], ref[p], A[p], mask[p], 0.2, 0.04, "dapo", mask) for p in parts)
     assert_close(dapo, old_grpo_loss(logprobs, old, ref, A, mask, 0.2, 0.04, "dapo"), terms=20)
     assert abs(float(bnpo - dapo)) > 1e-3  # they are different losses
+
+
+def accumulation_rollout(seed=1, N=8, T=7):
+    """A step of N rows as main() holds it: logprobs [N, T] as a leaf (the pass that carries the gradient), pi_old
+    and pi_ref that differ from it (ratios up to ~2.5: clipped and unclipped tokens), advantages [N], and completions
+    of very different lengths, one of them empty (--mask_truncated_completions drops a cut-off one whole), so the
+    micro-batches of 2 rows hold 3, 3, 12, 13 of the 31 tokens and those of 4 rows 6 and 25."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = (-torch.rand(N, T, generator=g) * 2 - 0.1).requires_grad_(True)
+    old = logprobs.detach() + 0.4 * torch.randn(N, T, generator=g)
+    ref = logprobs.detach() + 0.3 * torch.randn(N, T, generator=g)
+    advantages = torch.randn(N, generator=g)
+    lengths = torch.tensor([1, 2, 0, 3, 7, 5, 6, 7])[:N]
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    return logprobs, old, ref, advantages, mask
+
+
+def summed_as_main_sums(loss_of_rows, logprobs, rows_per_micro_batch):
+    """grpo.py's and mix.py's step 5: one loss per micro-batch of rows_per_micro_batch rows (each divided by the
+    step's counts), loss = the sum of their values, the gradient the sum of their backward passes."""
+    total, grad = 0.0, torch.zeros_like(logprobs)
+    for rows in torch.arange(len(logprobs)).split(rows_per_micro_batch):
+        micro = loss_of_rows(rows)
+        total = total + micro.detach()
+        grad += torch.autograd.grad(micro, logprobs)[0]
+    return total, grad
+
+
+@pytest.mark.parametrize("rows_per_micro_batch", [2, 4, 8])
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_every_loss_types_micro_batches_add_up_to_the_steps_loss_and_gradient(loss_type, rows_per_micro_batch):
+    """--gradient_accumulation_steps changes memory, not the step: for each --loss_type, grpo.step_loss on each
+    micro-batch with the step's whole mask (as main() calls it), summed as main() sums them, is the loss of the step
+    and its gradient. The step's loss is step_loss on all 8 rows at once, except for 'bnpo', whose step is by
+    definition the mean over the step's (equal) micro-batches of each one's own token mean: the mean of step_loss
+    on each micro-batch alone (which is its token mean, checked first)."""
+    logprobs, old, ref, A, mask = accumulation_rollout()
+    T = mask.shape[1]
+    cfg = grpo.Config(loss_type=loss_type, beta=0.04, max_completion_length=T,
+                      epsilon_high=5.0 if loss_type == "cispo" else None)  # cispo caps its weight at epsilon_high
+    cfg.check_together()
+
+    def step_loss(rows, step_mask):
+        return grpo.step_loss(logprobs[rows], old[rows], ref[rows], A[rows], mask[rows], step_mask, None, cfg)
+
+    every = torch.arange(len(mask))
+    parts = every.split(rows_per_micro_batch)
+    if loss_type == "bnpo":
+        per_token = grpo.per_token_loss(logprobs, old, ref, A, mask, cfg.epsilon, cfg.beta)  # [N, T]
+        for rows in parts:  # one micro-batch alone: its token mean (the sum over its tokens / their count)
+            assert_close(step_loss(rows, None), per_token[rows].sum() / mask[rows].sum(), terms=int(mask.sum()))
+        step = sum(step_loss(rows, None) for rows in parts) / len(parts)
+    else:
+        step = step_loss(every, mask)
+    (expected_grad,) = torch.autograd.grad(step, logprobs)
+    total, grad = summed_as_main_sums(lambda rows: step_loss(rows, mask), logprobs, rows_per_micro_batch)
+    # Tolerance: the step's loss is a sum of one term per token (n = the step's 31 tokens), each at most max|l_it|
+    # after its division, added in another order by the micro-batches: n x eps x max|l_it| (floats.py); each
+    # gradient entry is one token's derivative divided by a count (a few roundings), within the same n x eps x its
+    # size. A micro-batch's own rows or tokens in a denominator move the loss by > 1000 such bounds (the control).
+    terms = int(mask.sum())
+    scale = grpo.per_token_loss(logprobs, old, ref, A, mask, cfg.epsilon, cfg.beta, cfg.epsilon_high,
+                                cispo=loss_type == "cispo").abs().max().item()
+    assert_close(total, step.detach(), terms=terms, scale=scale, msg=f"{loss_type} loss")
+    assert_close(grad, expected_grad, terms=terms, msg=f"{loss_type} gradient")
+    if len(parts) > 1:  # the control: each micro-batch divided by its own counts is another loss, far off
+        wrong, _ = summed_as_main_sums(lambda rows: step_loss(rows, None), logprobs, rows_per_micro_batch)
+        assert abs(float(wrong - step.detach())) > 1000 * tolerance(terms, scale), loss_type
+
+
+@pytest.mark.parametrize("rows_per_micro_batch", [2, 4])
+@pytest.mark.parametrize("loss_type", mix.LOSS_TYPES)
+def test_mix_micro_batches_add_up_to_the_steps_loss_for_every_loss_type(loss_type, rows_per_micro_batch):
+    """mix.py keeps its own aggregate (mix.aggregate): the same check for its loss, 5 usual rows and 3 expert rows,
+    so that micro-batches hold usual rows only, both kinds, or expert rows only. For 'bnpo' each term's step is the
+    mean of its micro-batches' token means, each weighted by its share of the term's rows (a micro-batch with
+    none of them adds nothing): mix_loss on each micro-batch alone, its terms so weighted."""
+    logprobs, old, ref, A, mask = accumulation_rollout()
+    expert = torch.tensor([False, False, False, False, False, True, True, True])
+    T, mu = mask.shape[1], 0.3
+
+    def mix_loss(rows, step_masks, mu=mu):
+        return mix.mix_loss(logprobs[rows], old[rows], ref[rows], A[rows], mask[rows], expert[rows], mu, 0.2, 0.04,
+                            loss_type, step_masks, max_completion_length=T)
+
+    every = torch.arange(len(mask))
+    parts = every.split(rows_per_micro_batch)
+    if loss_type == "bnpo":
+        def share(rows, kind):
+            return (expert[rows] == kind).sum() / (expert == kind).sum()
+
+        step = sum((share(rows, False) * mix_loss(rows, None, mu=0.0) * (1 - mu)
+                    + share(rows, True) * mix_loss(rows, None, mu=1.0) * mu) for rows in parts)
+    else:
+        step = mix_loss(every, (mask, expert))
+    (expected_grad,) = torch.autograd.grad(step, logprobs)
+    total, grad = summed_as_main_sums(lambda rows: mix_loss(rows, (mask, expert)), logprobs, rows_per_micro_batch)
+    # as in the test above: n = the step's tokens, each term's size at most max(|l_it|, |log p|) < 3 + 0.04 x k3
+    terms = int(mask.sum())
+    scale = max(grpo.per_token_loss(logprobs, old, ref, A, mask, 0.2, 0.04).abs().max().item(),
+                logprobs.abs().max().item())
+    assert_close(total, step.detach(), terms=terms, scale=scale, msg=f"{loss_type} loss")
+    assert_close(grad, expected_grad, terms=terms, msg=f"{loss_type} gradient")
+    wrong, _ = summed_as_main_sums(lambda rows: mix_loss(rows, None), logprobs, rows_per_micro_batch)
+    assert abs(float(wrong - step.detach())) > 1000 * tolerance(terms, scale), loss_type
 
 
 def test_epsilon_high_moves_only_the_upper_clip():

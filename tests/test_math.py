@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import grpo
 import rollout
 from floats import approx, assert_close
 from grpo import clip_fraction, group_advantages, grpo_loss, kl_k3
@@ -201,3 +202,42 @@ def test_clip_fraction_counts_only_active_clips():
     logprobs = torch.tensor([[0.5, 0.5, -0.5, 0.0]])  # ratios 1.65, 1.65, 0.61, 1
     fraction = clip_fraction(logprobs, old, torch.tensor([1.0]), torch.tensor([[1, 1, 1, 0]]), 0.2)
     assert fraction == 2 / 3  # A > 0: only ratios above 1.2 are clipped
+
+
+def test_a_later_iteration_ratio_clip_loss_and_logged_clip_fraction_by_hand():
+    """--num_iterations 2: the second update's pi has moved from pi_old (old_logprobs, computed once before the
+    updates), so the ratio is not 1 and the clip acts. grpo.step_loss (main's call), importance_ratio, the gradient
+    and step_log's logged loss and clip_fraction, by hand. Ratios pi / pi_old:
+        row 0, A = +1:  1.5 (above 1.2: clipped, loss -1.2, no gradient), 0.9 (-0.9), 1.1 (-1.1)
+        row 1, A = -2:  0.5 (below 0.8: clipped, min(-1.0, -1.6) = -1.6, loss +1.6, no gradient),
+                        1.5 (min(-3.0, -2.4) = -3.0: the pessimistic branch is the unclipped one, loss +3.0), padding
+    'grpo' loss: ((-1.2 - 0.9 - 1.1) / 3 + (1.6 + 3.0) / 2) / 2 = (-1.0666667 + 2.3) / 2 = 0.6166667
+    gradient d/dlogp of -ratio x A is -ratio x A, / (the row's tokens) / (2 rows):
+        row 0: [0, -0.9 / 3 / 2, -1.1 / 3 / 2] = [0, -0.15, -0.1833333];  row 1: [0, 3.0 / 2 / 2, 0] = [0, 0.75, 0]
+    clip_fraction: 2 clipped tokens of 5 = 0.4."""
+    ratio = torch.tensor([[1.5, 0.9, 1.1], [0.5, 1.5, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    logprobs = torch.tensor([[-0.5, -1.0, -2.0], [-0.3, -1.2, float("nan")]], requires_grad=True)  # junk at padding
+    old = torch.where(mask.bool(), logprobs.detach() - torch.log(ratio), 7.0)  # pi_old: pi / ratio, junk at padding
+    A = torch.tensor([1.0, -2.0])
+    cfg = grpo.Config(num_iterations=2, beta=0.0, num_generations=2)
+    zeroed = torch.where(mask.bool(), logprobs.detach(), 0.0), torch.where(mask.bool(), old, 0.0)
+    # each ratio: exp of a float32 difference of log-probs up to 2.4 in size, exp accurate to an ulp: 4 roundings
+    assert grpo.importance_ratio(*zeroed, mask).tolist() == [approx([1.5, 0.9, 1.1], scale=1.5 * 2.4),
+                                                             approx([0.5, 1.5, 1.0], scale=1.5 * 2.4)]
+    loss = grpo.step_loss(logprobs, old, None, A, mask, mask, None, cfg)
+    # the loss: 5 token terms, each a ratio (above) times |A| <= 2, two means: ~12 roundings at scale 3 x 2.4
+    assert loss.item() == approx(0.6166667, terms=12, scale=3.0 * 2.4)
+    loss.backward()
+    assert_close(logprobs.grad, [[0.0, -0.15, -0.1833333], [0.0, 0.75, 0.0]], terms=12, scale=3.0 * 2.4)
+    assert grpo.clip_fraction(logprobs.detach(), old, A, mask, cfg.epsilon) == 0.4  # 2 / 5, counts: exact
+    # the same on the line the step logs (step_log: pi_old is old_logprobs, not the moving policy's own log-probs)
+    ids, ones = torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 1, dtype=torch.long)
+    batch = grpo.Rollout(prompts=["p", "p"], completions=["a", "b"], prompt_ids=ones, prompt_mask=ones,
+                         completion_ids=ids, completion_mask=mask, sampler_logprobs=zeroed[1],
+                         rewards_per_func=torch.tensor([[1.0, 0.5], [0.0, 0.5]]))
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    metrics, _ = grpo.step_log(batch, A, zeroed[0], old, None, torch.zeros(2, 3), loss.detach(), torch.tensor(1.0),
+                               scheduler, cfg)
+    assert metrics["clip_fraction"] == 0.4 and metrics["loss"] == loss.item() and metrics["kl"] == 0.0

@@ -97,6 +97,75 @@ def test_importance_weights_by_hand():
     assert torch.equal(exact, torch.ones(2, 3))  # an exact sampler: every weight 1, the loss unchanged
 
 
+# A step's pi_old as the trainer computes it and as the sampler did: 3 completions of 3, 2 and 4 tokens, the ratios
+# rho = pi_train / pi_sampler chosen by hand, far from 1 (above the cap 3, below the floor 0.4, in between), and
+# junk on the padding (a ratio of 1e4 there if it were read). Row products: 2 x 0.25 x 5 = 2.5, 1.5 x 4 = 6,
+# 0.5 x 0.5 x 0.8 x 1.25 = 0.25.
+RHO = torch.tensor([[2.0, 0.25, 5.0, 1e4], [1.5, 4.0, 1e4, 1e4], [0.5, 0.5, 0.8, 1.25]])
+RHO_MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+RHO_TRAINER = torch.tensor([[-0.5, -2.0, -0.1, -3.0], [-1.0, -0.2, -0.7, -0.7], [-2.5, -0.05, -1.2, -0.9]])
+RHO_SAMPLER = RHO_TRAINER - torch.log(RHO)  # log pi_sampler = log pi_train - log rho
+# The weights of each mode at C = 3, with no floor and with c = 0.4 (padding: rho 1, within [c, C]):
+HAND_WEIGHTS = {
+    ("token_truncate", None): [[2.0, 0.25, 3.0, 1.0], [1.5, 3.0, 1.0, 1.0], [0.5, 0.5, 0.8, 1.25]],  # min(rho, 3)
+    ("token_truncate", 0.4): [[2.0, 0.4, 3.0, 1.0], [1.5, 3.0, 1.0, 1.0], [0.5, 0.5, 0.8, 1.25]],  # clamp to [0.4, 3]
+    ("token_mask", None): [[2.0, 0.25, 0.0, 1.0], [1.5, 0.0, 1.0, 1.0], [0.5, 0.5, 0.8, 1.25]],  # 0 above 3
+    ("token_mask", 0.4): [[2.0, 0.0, 0.0, 1.0], [1.5, 0.0, 1.0, 1.0], [0.5, 0.5, 0.8, 1.25]],  # 0 outside [0.4, 3]
+    ("sequence_truncate", None): [[2.5], [3.0], [0.25]],  # min(product, 3)
+    ("sequence_truncate", 0.4): [[2.5], [3.0], [0.4]],  # the product clamped to [0.4, 3]
+    ("sequence_mask", None): [[2.5], [0.0], [0.25]],  # 0 where the product is above 3
+    ("sequence_mask", 0.4): [[2.5], [0.0], [0.0]],  # 0 where it is outside [0.4, 3]
+}
+# Tolerance of a weight: rho = exp(trainer - sampler), each log-prob up to 3.1 in size (eps x 3.1 of rounding in the
+# difference, summed over up to 4 tokens in the sequence modes, then exp: ~1 ulp): about 6 roundings at the scale of
+# the weight times the log-probs, 6 x 3.1 (a weight up to 6 before its cap). A wrong rule moves a weight by > 0.1.
+WEIGHT_TERMS, WEIGHT_SCALE = 6, 6.0 * 3.1
+
+
+@pytest.mark.parametrize("mode, clip_min", list(HAND_WEIGHTS))
+def test_importance_weights_far_from_one_by_hand_in_every_mode(mode, clip_min):
+    """rollout.sampler_importance_weights, and the weights a run at these settings takes (its Config's
+    sampler_weights: the mode, the cap and the floor as set), equal the hand table above."""
+    expected = HAND_WEIGHTS[(mode, clip_min)]
+    weights = rollout.sampler_importance_weights(RHO_TRAINER, RHO_SAMPLER, RHO_MASK, mode, 3.0, clip_min)
+    assert_close(weights, expected, terms=WEIGHT_TERMS, scale=WEIGHT_SCALE, msg=mode)
+    for config in (grpo.Config, ppo.Config):
+        cfg = config(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                     vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=clip_min)
+        cfg.check_together()
+        assert_close(cfg.sampler_weights(RHO_TRAINER, RHO_SAMPLER, RHO_MASK), expected, terms=WEIGHT_TERMS,
+                     scale=WEIGHT_SCALE, msg=f"{config.__module__} {mode}")
+
+
+# grpo.py's loss with the correction, one update per batch (ratio 1), beta 0, 'dapo' (one mean over the 9 tokens),
+# A = [1, -2, 0.5]: each token's loss is -w A, so the loss is -sum_i A_i sum_t w_it / 9, with the floor c = 0.4:
+HAND_LOSSES = {
+    "token_truncate": -(5.4 - 2 * 4.5 + 0.5 * 3.05) / 9,  # row sums of w: 2 + 0.4 + 3; 1.5 + 3; 0.5 + 0.5 + 0.8 + 1.25
+    "token_mask": -(2.0 - 2 * 1.5 + 0.5 * 3.05) / 9,  # 2 + 0 + 0; 1.5 + 0; 3.05
+    "sequence_truncate": -(3 * 2.5 - 2 * 2 * 3.0 + 0.5 * 4 * 0.4) / 9,  # the row's weight times its tokens
+    "sequence_mask": -(3 * 2.5 - 0.0 + 0.0) / 9,
+}
+
+
+@pytest.mark.parametrize("mode", list(HAND_LOSSES))
+def test_grpos_step_loss_and_gradient_take_the_weights_of_every_mode(mode):
+    """grpo.step_loss with --vllm_importance_sampling_correction (pi_old: the trainer's pass itself, one update per
+    batch) on the table's log-probs: its value is HAND_LOSSES's, and its gradient -w_it A_i / 9 (the weight is
+    detached: it scales the policy gradient, it has none of its own); padding gets none."""
+    cfg = grpo.Config(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                      vllm_importance_sampling_clip_min=0.4, beta=0.0, loss_type="dapo")
+    cfg.check_together()
+    logprobs = RHO_TRAINER.clone().requires_grad_(True)
+    A = torch.tensor([1.0, -2.0, 0.5])
+    loss = grpo.step_loss(logprobs, None, None, A, RHO_MASK, RHO_MASK, None, cfg, RHO_SAMPLER)
+    # 9 terms of size <= 2 x 3 (|A| w), each weight within the tolerance above: 9 x that bound
+    assert loss.item() == approx(HAND_LOSSES[mode], terms=9 * WEIGHT_TERMS, scale=2 * WEIGHT_SCALE)
+    loss.backward()
+    w = torch.tensor(HAND_WEIGHTS[(mode, 0.4)]).expand(3, 4)  # a sequence mode's weight on each of its tokens
+    expected = torch.where(RHO_MASK.bool(), -w * A[:, None] / 9, 0.0)
+    assert_close(logprobs.grad, expected, terms=WEIGHT_TERMS + 2, scale=2 * WEIGHT_SCALE / 9)
+
+
 def test_a_weight_per_completion_weighs_each_of_its_tokens():
     """The sequence modes give w [N, 1]: it scales every token of its row, in GRPO's and PPO's losses."""
     logprobs, mask = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]), torch.ones(2, 2)

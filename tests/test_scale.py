@@ -93,9 +93,14 @@ def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_reward_model_with_one_held_out_pair(sft_checkpoint, tmp_path):
+def test_torchrun_reward_model_with_one_held_out_pair(sft_folder, tmp_path):
     """One held-out pair on two processes: rank 1's share is empty. It used to stop there alone (and
-    rank 0 printed a collective's traceback); the check is now the same on every process."""
+    rank 0 printed a collective's traceback); the check is now the same on every process. And what the
+    two processes must give: identical weights on both (one starting value head, rank 0's, and averaged
+    gradients), and held-out scores of the one pair that are one process's scores of it with the saved model.
+    The reward model needs a policy folder, not a policy that solves the task: sft_folder's 80-step run."""
+    import reward_model
+
     data = tmp_path / "pairs"
     data.mkdir()
     with open(os.path.join(ROOT, "data", "preference", "train.jsonl")) as f:
@@ -103,10 +108,24 @@ def test_torchrun_reward_model_with_one_held_out_pair(sft_checkpoint, tmp_path):
     (data / "train.jsonl").write_text("".join(rows[:64]))
     (data / "test.jsonl").write_text(rows[64])
     out = str(tmp_path / "rm")
-    torchrun("reward_model.py", "--model", sft_checkpoint, "--dataset", str(data), "--output_dir", out,
-             "--max_steps", "2", "--per_device_train_batch_size", "8", "--policy_prompts", "0")
+    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "reward_model", "--model", sft_folder,
+                      "--dataset", str(data), "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size",
+                      "8", "--policy_prompts", "0")
+    assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
     with open(os.path.join(out, "eval.json")) as f:
-        assert json.load(f)["n"] == 1
+        scores = json.load(f)
+    assert scores["n"] == 1
+    model, tokenizer = common.load_model(out, scalar_head=True)
+    held_out = common.load_split(str(data), "test", ("prompt", "chosen", "rejected"))
+    pairs = reward_model.tokenize_pairs(tokenizer, held_out, "", reward_model.Config.max_length)
+    with torch.no_grad():  # r(chosen), r(rejected) of the one pair, in this one process
+        chosen, rejected = reward_model.sequence_scores(model, *reward_model.collate(pairs, tokenizer.pad_token_id))
+    margin = (chosen - rejected).item()
+    # the margin: two forward passes' scores (each through the layers' sums and the head), subtracted, computed by
+    # rank 0 with one thread and here with this process's threads: 2 x forward_terms x eps x the scores' size
+    allowed = 2 * tolerance(forward_terms(model.config), max(abs(chosen.item()), abs(rejected.item())))
+    assert abs(scores["margin"] - margin) <= allowed, (scores, margin, allowed)
+    assert abs(margin) <= allowed or scores["pairwise_accuracy"] == (1.0 if margin > 0 else 0.0), (scores, margin)
 
 
 @pytest.mark.slow
