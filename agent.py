@@ -9,6 +9,9 @@ episode of several turns:
     ^^^^^^^^^^^^^^^^^^^^^^^^^                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^  the policy's actions
                              ^^^^^^^^^^^^^^^^^^                                    the calculator's (reply_mask 1)
 
+(With a tokenizer whose one token '><' closes the call and opens the reply, as SmolLM2's, the reply's first
+'<' is the policy's token, and the calculator's tokens start after it: tool_reply.)
+
 The calculator's tokens are observations, as the prompt is: they are in the input of every later
 token, but the policy did not choose them, so they are never read as a call (calls are read from the
 policy's tokens only, policy_text) and they take no loss, no KL, no entropy and no importance ratio
@@ -53,9 +56,9 @@ from common import setting
 from data.make_data import problem_kind
 
 KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind
-# The most a completion may pay for its calls: the rewards' standard deviation squares their differences, and
-# this price squared (1e30), summed over up to 1e8 completions, stays below float32's largest number (3.4e38).
-MAX_PRICE = 1e15
+# The most a completion may pay for its calls. Rewards are float32: at 1e6 its spacing is 1/16 of a point, and at
+# 2^24 (1.7e7) 2 points, so beside a larger price the answer's and the format's points would be rounded away.
+MAX_PRICE = 1e6
 
 
 @dataclass
@@ -66,12 +69,10 @@ class Config(grpo.Config):
     (0: every call refused, GRPO without the calculator)"""
     tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """reward taken off per call (refused calls too): the price of asking. A completion makes at most one call per
-    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e15: the standard
-    deviation of the rewards squares their differences, and a larger price squared overflows float32"""
+    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e6: the rewards are
+    float32, and beside a larger price their answer and format points would be lost to rounding"""
     model: str = "out/sft_tool"
     output_dir: str = "out/agent"
-
-    LOSS_SCALES = (*grpo.Config.LOSS_SCALES, "tool_call_cost")  # scales the rewards: named in the advice after a NaN
 
     def check_together(self):
         super().check_together()
@@ -81,8 +82,9 @@ class Config(grpo.Config):
         if most_paid > MAX_PRICE:
             common.fail(f"--tool_call_cost x --max_completion_length ({self.tool_call_cost:g} x "
                         f"{self.max_completion_length}), the most a completion can pay for its calls, must be at most "
-                        f"{MAX_PRICE:g}: the standard deviation of the rewards squares their differences, and a larger "
-                        "price squared overflows float32 (its largest number is 3.4e38)")
+                        f"{MAX_PRICE:g}: the rewards are float32, whose spacing beside a larger price is more than "
+                        "1/16 of a point, so the answer's and the format's points would be rounded away (and past "
+                        "1e19 a squared difference overflows)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,11 +129,18 @@ def tool_reply(text: str, calls_made: int, max_tool_calls: int) -> str | None:
 
 
 def policy_text(tokenizer, ids: torch.Tensor, reply_mask: torch.Tensor) -> str:
-    """The policy's own text in one episode so far, what tool_reply reads for calls: ids [t] decoded
-    without the calculator's tokens (reply_mask [t], 1 on them), its turns joined. The calculator's
-    replies are observations, not actions: the reply 'error: no <calc> before </calc>' holds a
-    '</calc>' that the policy did not write."""
-    return tokenizer.decode(ids[reply_mask == 0])
+    """The policy's own text in one episode so far, what tool_reply reads for calls: ids [t] without the
+    calculator's tokens (reply_mask [t], 1 on them). The replies are observations, not actions: the reply
+    'error: no <calc> before </calc>' holds a '</calc>' the policy did not write. Its turns (the runs of its
+    tokens between replies) are decoded one by one and joined by a newline, which no tag holds, so that two
+    turns never join into a tag the policy did not write (with SmolLM2's '><' token a turn can end in '<')."""
+    turns, turn = [], []
+    for token, by_calculator in zip(ids.tolist(), reply_mask.tolist()):
+        if not by_calculator:
+            turn.append(token)
+        elif turn:
+            turns, turn = turns + [turn], []
+    return "\n".join(tokenizer.decode(turn) for turn in [*turns, turn] if turn)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -253,19 +253,19 @@ def check_loaded(model, tokenizer, name: str, flag: str = ""):
 
 
 def check_finite_weights(model, name: str, flag: str = ""):
-    """A NaN or infinite weight (a checkpoint damaged when it was trained or saved) would make the first
-    step's loss NaN, and that stop could not say which model gave it: refused here, naming the model's path
+    """A NaN or infinite weight or buffer (written by a run that diverged, or a damaged file) may make the first
+    step's values NaN, and that stop could not say which model gave it: refused here, naming the model's path
     and the setting that named it. Cheap: one sum of each floating-point parameter and buffer (a NaN or inf
-    makes its tensor's sum NaN or inf, and a sum is ~15x faster than isfinite on a CPU), and isfinite only on
-    a tensor whose sum is not finite (a sum of finite weights that overflows: isfinite then counts none)."""
+    makes its tensor's sum NaN or inf, and a sum costs much less than isfinite on a CPU), and isfinite only on
+    a tensor whose sum is not finite (a sum of finite values that overflows: isfinite then counts none)."""
     tensors = [t.detach() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
     suspects = [t for t in tensors if not torch.isfinite(t.sum())]
     bad = sum(int((~torch.isfinite(t)).sum()) for t in suspects)
     if bad:
         total = sum(t.numel() for t in tensors)
         named = f"{name} ({flag})" if flag else name
-        fail(f"the model at {named} holds NaN or infinite values in {bad:,} of its {total:,} weights: it was damaged "
-             "when it was trained or saved; train it again, or choose another")
+        fail(f"the model at {named} holds NaN or infinite values in {bad:,} of its {total:,} weights and buffers: a "
+             "run that diverged, or a damaged file, wrote it; train it again, or choose another")
 
 
 def check_vocabulary(model, tokenizer, name: str):

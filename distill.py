@@ -105,7 +105,8 @@ def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float)
 def load_teacher(cfg, tokenizer, student, device):
     """The teacher, frozen, in eval mode. Refused in one sentence: a teacher that does not read the student's
     ids or predict over the same vocabulary, and the student itself (every weight equal, wherever it was loaded
-    from), whose divergence from the student is 0 at every token: the run would train on a zero loss."""
+    from): equal distributions are every divergence's minimum (any --beta), so its loss and gradient are 0 at
+    every token and the student would learn nothing (checked before LoRA's adapters are added)."""
     teacher, teacher_tokenizer = common.load_model(cfg.teacher_model_name_or_path,
                                                    missing_hint="train one first (e.g. `python grpo.py`)",
                                                    trust_remote_code=cfg.trust_remote_code,
@@ -119,8 +120,9 @@ def load_teacher(cfg, tokenizer, student, device):
                     "the same vocabulary size")
     if same_weights(teacher, student):
         common.fail(f"the teacher {cfg.teacher_model_name_or_path} holds the same weights as the student {cfg.model}: "
-                    "the divergence between them is 0 at every token, so there is nothing to learn; pass a teacher "
-                    "trained beyond the student as --teacher_model_name_or_path (e.g. out/grpo)")
+                    "equal distributions are the divergence's minimum, so its loss and gradient are 0 at every token "
+                    "and there is nothing to learn; pass a teacher trained beyond the student as "
+                    "--teacher_model_name_or_path (e.g. out/grpo)")
     return teacher.to(device).eval().requires_grad_(False)
 
 

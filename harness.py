@@ -66,10 +66,12 @@ class RunConfig:
     """where the model, metrics.jsonl, eval.json and the PNG go"""
     overwrite_output_dir: bool = False
     """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole. It removes the old run's files only: those
-    its run.json lists (without one, the files a run writes: model, tokenizer, logs, *.png, checkpoints); any other
-    file stays. A folder that holds no run (no run.json, checkpoint or metrics.jsonl) keeps every file: the run
-    writes beside them, or is refused if one has a name it writes"""
+    finishes, so a run that fails or is killed leaves the old one whole. It then removes the old run's files: those
+    its run.json lists and any model weights, adapter, critic/, merged/ and checkpoint (a run.json that lists
+    another kind of name is refused); without a run.json, every file whose name a run writes (model, tokenizer,
+    metrics, *.png, README.md, ...), whoever put it there. Other files stay. A folder holds a run when it has a
+    run.json, a checkpoint or a metrics.jsonl; into any other folder a run writes beside the files there, and is
+    refused if one has a name it writes. A kill's leftovers (checkpoint.tmp, .<name>.tmp) go when a run starts"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained; use the same one in
     every script of a chain)"""
@@ -125,9 +127,11 @@ class RunConfig:
     save_steps: int = setting(20, lambda v: v >= 1, "at least 1")
     """write a resumable checkpoint (weights, optimizer, random generators) every this many steps, and at the end"""
     resume: bool = False
-    """continue from the checkpoint in --output_dir, exactly where it stopped (same result as an unbroken run);
-    metrics.jsonl and completions.jsonl are cut back to the checkpoint's step (rewritten whole: a link there is
-    replaced, never followed)"""
+    """continue the run in --output_dir from its newest checkpoint (every --save_steps): the steps after it run again
+    and end as an unbroken run would (the unfinished replacing run in .next_run, if there is one). Refused when the
+    checkpoint is another script's, model's or number of processes', an input changed, or a setting that shapes
+    training changed. metrics.jsonl is replaced by the checkpoint's copy, and completions.jsonl cut back to its step
+    (a completions.jsonl that is a link starts empty: the link goes, what it points to is kept)"""
     trust_remote_code: bool = False
     """let a hub model run its own Python code (off: only its weights and config are loaded)"""
     merge_lora: bool = False
@@ -336,8 +340,9 @@ class Run:
         if self.updated:
             helps.append("a lower --learning_rate")
         if not helps:  # (common.load_model refuses a model with a NaN or inf weight, naming it)
-            return ("no update had been applied yet and every model was loaded with finite weights, so a forward pass "
-                    "overflowed: check the scale of the data and of the starting weights")
+            return ("no update had been applied yet and the models' weights are finite as loaded, so this step's own "
+                    "arithmetic gave it (a pass that overflowed, a log of 0): look at the settings that scale the "
+                    "rewards or the loss, and at the starting model's scale")
         return " or ".join(helps) + " usually helps"
 
     def nothing_to_learn(self, why: str, metrics: dict | None = None):
@@ -570,11 +575,12 @@ def remove(path: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
-# A run writes, moves and removes only inside its folder, and a link never changes that. Every write goes
-# through one of three doors: a file written whole, then renamed into place (written_whole: the model, eval.json,
-# run.json, the PNG, the logs at --resume; a rename replaces a link or a hard link's name, never what it points to),
-# a log appended to (own_file first), or a folder of the run's (own_folder first). Removing a link removes the link
-# (remove), and the folders a run moves files out of are never links (prepare_output_dir refuses a .next_run link).
+# A run writes, moves and removes only inside its folder, and a link never changes that. Every write is one of
+# three kinds: a file or folder the run has just made under a temporary name, then renamed into place (written_whole
+# for eval.json, run.json, the PNG and the logs at --resume; .checkpoint_tmp for the model; checkpoint.tmp for a
+# checkpoint: a rename replaces a link or a hard link's name, never what it points to); a log appended to, after
+# own_file; a model's subfolder written into, after own_folder. Removing a link removes the link (remove), and the
+# folder a run moves files out of, its .next_run, is never a link (prepare_output_dir refuses one).
 def own_file(path: str) -> str:
     """Make `path` a file of the run's own before it is appended to: a symbolic link there is removed (what it
     points to is never written), and a file with a second hard link (the same bytes under another name, maybe
@@ -695,8 +701,8 @@ def load_training_state(run_dir: str, models, optimizers, schedulers, rng, shard
 def completions_up_to(path: str, step: int) -> list[str] | None:
     """The lines of completions.jsonl logged at or before `step` (a torn last line left out), or None
     without the file. A line that is not one this repo writes (a JSON object with its step) stops --resume in
-    one sentence, before anything is rewritten. A symbolic link at the name is not the run's file: nothing is
-    read through it, and the run's own file starts again (write_lines replaces the link)."""
+    one sentence, before the run's logs are rewritten. A symbolic link at the name is not the run's file: nothing
+    is read through it, and the run's own file starts again, empty (write_lines replaces the link)."""
     if os.path.islink(path):
         return []
     if not os.path.isfile(path):
@@ -711,9 +717,9 @@ def completions_up_to(path: str, step: int) -> list[str] | None:
                 if not isinstance(logged_at, int):
                     raise TypeError
             except (ValueError, KeyError, TypeError):
-                fail(f"{path} line {number} is not a line a run writes (a JSON object with its step), so --resume "
-                     "cannot cut the file back to the checkpoint's step; nothing was changed: delete that line, "
-                     "or the file")
+                fail(f"{path} line {number} is not a line a run writes (a JSON object with a whole-number step), so "
+                     "--resume cannot cut the file back to the checkpoint's step; the run's files were left as they "
+                     "were: delete that line, or the file")
             if logged_at <= step:
                 kept.append(line)
     return kept
@@ -855,8 +861,6 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
              "nothing was changed: remove the link, or choose another --output_dir")
     if os.path.isfile(os.path.join(next_run, ".complete")) and _rank0():  # a kill fell inside the last move-in
         _move_in(out)
-    if _rank0():
-        remove_leftovers(out)
     if resume:
         run_dir = next_run if os.path.isdir(next_run) else out
         checkpoint = newest_checkpoint(run_dir)
@@ -866,21 +870,24 @@ def prepare_output_dir(cfg, inputs: dict, record: dict | None = None) -> str:
         if checkpoint is None:
             fail(f"--resume: no checkpoint in {out} (one is written every --save_steps steps)")
         _check_same_run(cfg, checkpoint, record or run_record(cfg, inputs))
-        return run_dir
-    if not holds_a_run(out):  # a user's folder, or an empty one: the run writes beside what is there
+    elif not holds_a_run(out):  # a user's folder, or an empty one: the run writes beside what is there
         clash = sorted(name for name in os.listdir(out) if written_by_a_run(name))
         if clash:
             fail(f"--output_dir {out} holds no run of this repo (no run.json, checkpoint or metrics.jsonl) but files "
                  f"with names a run writes ({', '.join(clash[:3])}{', ...' if len(clash) > 3 else ''}), which it "
                  "would overwrite; nothing was removed: choose another --output_dir, or move those files")
-        return out
-    if not cfg.overwrite_output_dir:
-        held = sorted(name for name in os.listdir(out) if not name.startswith("."))
-        fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
-             + ("--resume true continues it, " if hasattr(cfg, "resume") else "")
-             + "--overwrite_output_dir true replaces it when the new run finishes, or choose another folder")
-    run_files(out)  # the old run's record, checked now: the new run will remove what it lists
-    return next_run
+        run_dir = out
+    else:
+        if not cfg.overwrite_output_dir:
+            held = sorted(name for name in os.listdir(out) if not name.startswith("."))
+            fail(f"--output_dir {out} already holds a run ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): "
+                 + ("--resume true continues it, " if hasattr(cfg, "resume") else "")
+                 + "--overwrite_output_dir true replaces it when the new run finishes, or choose another folder")
+        run_files(out)  # the old run's record, checked now: the new run will remove what it lists
+        run_dir = next_run
+    if _rank0():  # the run goes ahead (a refusal above changes nothing): a kill's leftovers go now
+        remove_leftovers(out)
+    return run_dir
 
 
 def holds_a_run(folder: str) -> bool:
@@ -936,12 +943,13 @@ def remove_leftovers(output_dir: str):
     """What a kill during a save left (checkpoint.tmp, a model's .checkpoint_tmp, in the folder, its
     .next_run or a model's subfolder; a .<name>.tmp of written_whole) goes when the next run into the
     folder starts, whatever that run is: for a real model each is a model's size. Only those names
-    (a_leftover); a user's other files stay. Call it with the folder locked, once a .next_run link was refused."""
+    (a_leftover), and in a run's own subfolders only (critic/, merged/): a user's other files and folders stay.
+    Call it with the folder locked, once the run is accepted (prepare_output_dir)."""
     for folder in (output_dir, os.path.join(output_dir, NEXT_RUN)):
         if not os.path.isdir(folder) or os.path.islink(folder):
             continue
-        subfolders = [os.path.join(folder, name) for name in os.listdir(folder)
-                      if os.path.isdir(os.path.join(folder, name)) and not os.path.islink(os.path.join(folder, name))]
+        subfolders = [os.path.join(folder, name) for name in os.listdir(folder) if written_by_a_run(name)
+                      and os.path.isdir(os.path.join(folder, name)) and not os.path.islink(os.path.join(folder, name))]
         for parent in (folder, *subfolders):
             for name in ("checkpoint.tmp", ".checkpoint_tmp"):
                 remove(os.path.join(parent, name))

@@ -141,9 +141,22 @@ def test_policy_text_is_the_policys_tokens_without_the_calculators():
     ids = torch.tensor([token for piece in pieces for token in piece])  # [t]
     reply_mask = torch.tensor([0] * len(pieces[0]) + [1] * len(pieces[1]) + [0] * len(pieces[2]))  # [t]
     text = agent.policy_text(tokenizer, ids, reply_mask)
-    assert text == "<think>47+85</calc></think><answer>132</answer>"
+    assert text == "<think>47+85</calc>\n</think><answer>132</answer>"  # its two turns, joined by a newline
     assert agent.tool_reply(text, 1, 2) is None  # the one call is answered
     assert agent.tool_reply(tokenizer.decode(ids), 1, 2) is not None  # what reading the reply as the policy's gives
+
+
+def test_two_of_the_policys_turns_never_join_into_a_tag_it_did_not_write():
+    """A turn that ends in '<' (SmolLM2's '><' token closes a call and opens the reply's tag) and a next turn
+    that starts with '/calc>': the policy wrote no second '</calc>', and its text holds one."""
+    tokenizer = common.build_tokenizer()
+    turns = ["<calc>4+5</calc><", "result>9</result>", "/calc></think>"]
+    pieces = [tokenizer(turn, add_special_tokens=False)["input_ids"] for turn in turns]
+    ids = torch.tensor([token for piece in pieces for token in piece])  # [t]
+    reply_mask = torch.tensor([0] * len(pieces[0]) + [1] * len(pieces[1]) + [0] * len(pieces[2]))  # [t]
+    text = agent.policy_text(tokenizer, ids, reply_mask)
+    assert text == "<calc>4+5</calc><\n/calc></think>" and text.count("</calc>") == 1
+    assert agent.tool_reply(text, 1, 2) is None
 
 
 @pytest.mark.parametrize("script, replies, calls", [
@@ -281,16 +294,19 @@ def test_a_run_logs_the_calls_and_the_policys_tokens_only(sft_checkpoint, tmp_pa
         assert_float32_gap(row, sft_checkpoint)
 
 
-def test_a_price_whose_square_could_overflow_float32_is_refused_where_settings_are_checked():
+def test_a_price_that_float32_cannot_hold_beside_a_point_is_refused_where_settings_are_checked():
     """The most a completion can pay, tool_call_cost x max_completion_length (one call per token at most), must
-    be at most agent.MAX_PRICE, 1e15: above it the rewards' standard deviation could overflow float32."""
+    be at most agent.MAX_PRICE, 1e6: float32's spacing there is 1/16 of a point (2^-4 on [2^19, 2^20)), and at
+    2^24 the answer's point is rounded away."""
     import checks
-    checks.check_settings(agent.Config(tool_call_cost=1e15 / 64, max_completion_length=64))  # at the bound
-    with pytest.raises(SystemExit, match=r"--tool_call_cost x --max_completion_length \(2e\+13 x 128\), the most"):
-        checks.check_settings(agent.Config(tool_call_cost=2e13, max_completion_length=128))
+    assert float(torch.tensor(1e6 - 1.0) + 1.0) - (1e6 - 1.0) == 1.0  # a point still counts beside the bound
+    assert float(torch.tensor(2.0**24) + 1.0) == 2.0**24  # beside 2^24 it is lost: why there is a bound at all
+    checks.check_settings(agent.Config(tool_call_cost=1e6 / 64, max_completion_length=64))  # at the bound
+    with pytest.raises(SystemExit, match=r"--tool_call_cost x --max_completion_length \(10000 x 128\), the most"):
+        checks.check_settings(agent.Config(tool_call_cost=1e4, max_completion_length=128))
 
 
-def test_a_price_that_overflows_float32_exits_1_in_one_sentence_before_loading_anything(tmp_path):
+def test_a_price_float32_cannot_hold_exits_1_in_one_sentence_before_loading_anything(tmp_path):
     """From the command line: one sentence, exit status 1, no traceback, before the model (absent here)
     is loaded and before the output folder is made."""
     out = tmp_path / "o"
@@ -298,7 +314,7 @@ def test_a_price_that_overflows_float32_exits_1_in_one_sentence_before_loading_a
                  check=False)
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --tool_call_cost x --max_completion_length (1e+39 x 64)"), last
-    assert result.returncode == 1 and "overflows float32" in last and "Traceback" not in result.stderr
+    assert result.returncode == 1 and "rounded away" in last and "Traceback" not in result.stderr
     assert not out.exists()
 
 

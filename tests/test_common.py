@@ -126,7 +126,8 @@ def test_load_model_refuses_non_finite_weights_naming_the_model(saved_tiny, tmp_
             common.load_model(str(broken), **kwargs)
         text = str(stop.value.code)
         assert text.startswith(f"error: the model at {named} holds NaN or infinite values in 2 of its "), text
-        assert text.endswith(" weights: it was damaged when it was trained or saved; train it again, or choose another")
+        assert text.endswith(" weights and buffers: a run that diverged, or a damaged file, wrote it; train it again, "
+                             "or choose another")
         assert "\n" not in text
 
 

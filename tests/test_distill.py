@@ -161,6 +161,7 @@ def test_token_logprobs_hold_the_sampled_tokens_logprobs(saved_tiny):
     assert_close(full.gather(-1, input_ids[:, -4:].unsqueeze(-1)).squeeze(-1), sampled, terms=2 * 128, scale=8.0)
 
 
+@pytest.mark.slow
 def test_the_script_trains_and_writes_its_run(sft_checkpoint, saved_tiny, tmp_path):
     """Two steps from the short SFT model toward another model: the weights change, the metrics hold the
     divergence and the sampled tokens, the output folder has its files."""
@@ -184,6 +185,7 @@ def test_the_script_trains_and_writes_its_run(sft_checkpoint, saved_tiny, tmp_pa
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.slow
 def test_a_teacher_with_another_tokenizer_is_refused(sft_checkpoint, saved_tiny, tmp_path):
     """Token-by-token distributions need one vocabulary: another tokenizer is one sentence, a non-zero exit."""
     _, _, model = saved_tiny
@@ -212,8 +214,9 @@ def test_a_model_with_non_finite_weights_is_named_by_its_flag(saved_tiny, tmp_pa
     assert "\n" not in text and not os.path.exists(tmp_path / "out" / "model.safetensors")
 
 
-NOTHING_TO_LEARN = ("the divergence between them is 0 at every token, so there is nothing to learn; pass a teacher "
-                    "trained beyond the student as --teacher_model_name_or_path (e.g. out/grpo)")
+NOTHING_TO_LEARN = ("equal distributions are the divergence's minimum, so its loss and gradient are 0 at every token "
+                    "and there is nothing to learn; pass a teacher trained beyond the student as "
+                    "--teacher_model_name_or_path (e.g. out/grpo)")
 
 
 def test_a_teacher_that_is_the_student_is_refused(saved_tiny, tmp_path):

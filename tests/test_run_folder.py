@@ -156,8 +156,8 @@ def test_overwrite_into_a_folder_of_figures_and_notes_that_holds_no_run_removes_
     checkpoint or metrics.jsonl, so there is no run to replace. Its files have names a run writes
     (README.md, *.png): refused in one sentence, every file kept."""
     folder = tmp_path / "docs"
-    for name in ("README.md", "sft.png", "grpo.png", "notes.txt"):
-        write(folder / name, f"the user's {name}")
+    for name in ("README.md", "sft.png", "grpo.png", "notes.txt", ".sft.png.tmp", "checkpoint.tmp/state.pt"):
+        write(folder / name, f"the user's {name}")  # (the last two: names of a kill's leftovers, kept on a refusal)
     before = snapshot(folder)
     message = stopped("sft.py", "--output_dir", str(folder), *SFT, "--overwrite_output_dir", "true")
     assert "holds no run of this repo" in message and "README.md" in message
@@ -183,13 +183,25 @@ def test_a_run_writes_beside_files_whose_names_it_does_not_use_and_keeps_them_wh
 # ---------------------------------------------------------------------------------------------
 # 3. The clean-up removes only what this repo leaves behind
 # ---------------------------------------------------------------------------------------------
+def test_a_refused_run_removes_not_even_a_kills_leftovers(tmp_path):
+    """A run refused because the folder holds a run (no --overwrite_output_dir) changes nothing in it, the
+    leftovers of an earlier kill included: they go with the next run that goes ahead."""
+    out = tmp_path / "out"
+    a_finished_run(out)
+    for name in (".eval.json.tmp", "checkpoint.tmp/state.pt", "critic/.checkpoint_tmp/model.safetensors"):
+        write(out / name, "half written")
+    before = snapshot(out)
+    assert "already holds a run" in stopped("sft.py", "--output_dir", str(out), *SFT)
+    assert snapshot(out) == before
+
+
 def test_the_clean_up_keeps_a_users_dot_tmp_files_and_removes_the_runs_leftovers(tmp_path):
     """A kill leaves .eval.json.tmp, ..complete.tmp, checkpoint.tmp/: they go with the next run. A user's
     .notes.tmp (a file) and .cache.tmp/ (a folder) in the same folder are not a run's, and stay."""
     out = tmp_path / "out"
     a_finished_run(out)
-    for name in (".notes.tmp", ".cache.tmp/a", harness.NEXT_RUN + "/.notes.tmp"):
-        write(out / name, "mine")
+    for name in (".notes.tmp", ".cache.tmp/a", harness.NEXT_RUN + "/.notes.tmp", "mine/checkpoint.tmp/a"):
+        write(out / name, "mine")  # (mine/: a subfolder of the user's, not a model's)
     for name in (".eval.json.tmp", ".sft.png.tmp", "checkpoint.tmp/state.pt", harness.NEXT_RUN + "/..complete.tmp"):
         write(out / name, "half written")
     cfg = common.parse_config(importlib.import_module("sft").Config, ["--output_dir", str(out),
@@ -197,6 +209,7 @@ def test_the_clean_up_keeps_a_users_dot_tmp_files_and_removes_the_runs_leftovers
     harness.prepare_output_dir(cfg, {})
     assert (out / ".notes.tmp").read_text() == "mine" and (out / ".cache.tmp" / "a").read_text() == "mine"
     assert (out / harness.NEXT_RUN / ".notes.tmp").read_text() == "mine"
+    assert (out / "mine" / "checkpoint.tmp" / "a").read_text() == "mine"
     for name in (".eval.json.tmp", ".sft.png.tmp", "checkpoint.tmp", harness.NEXT_RUN + "/..complete.tmp"):
         assert not os.path.lexists(out / name), name
 
