@@ -22,6 +22,7 @@ import copy
 import ctypes
 import dataclasses
 import hashlib
+import importlib.util
 import inspect
 import json
 import math
@@ -47,6 +48,9 @@ import rollout
 from checks import NEXT_RUN, check_fsdp, check_settings, fail
 from common import first_line, log, setting
 from distributed import full_state_dict, is_main_process
+
+
+TRACKERS = ("tensorboard", "trackio")  # --report_to's choices (Trackers, below)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +111,11 @@ class RunConfig:
     """evaluate before the first step too (the 'before' of the run's before -> after)"""
     logging_steps: int = setting(1, lambda v: v >= 1, "at least 1")
     """write a metrics.jsonl line every this many steps"""
+    report_to: str = setting("none", lambda v: set(v.split(",")) <= {"none", *TRACKERS}, "none, tensorboard, "
+                             "trackio, or tensorboard,trackio")
+    """where each metrics line also goes, beside metrics.jsonl and the PNG: tensorboard (event files in
+    <output_dir>/runs; `tensorboard --logdir <output_dir>`), trackio (its local database; `trackio show`), both
+    (tensorboard,trackio), or none. Each needs its package only when asked for: pip install tensorboard / trackio"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
     lora_r: int | None = setting(None, lambda v: v >= 1, "a positive rank (leave it out to train every weight)")
@@ -234,6 +243,7 @@ class Run:
         processes, and seed: each process draws its own samples (seed + rank)."""
         check_settings(cfg)
         self.cfg = cfg
+        self.trackers = Trackers(cfg.report_to)  # --report_to: its packages checked now, before anything is written
         self.record = run_record(cfg, inputs)  # run.json: script, model, settings, what each input held
         self.dir = prepare_output_dir(cfg, inputs, self.record)
         self.rank, self.world_size = distributed.setup()  # rank 0 of 1 without torchrun
@@ -300,9 +310,10 @@ class Run:
         else:
             start_output_dir(self.dir)
             first_step = 0
-            if cfg.eval_on_start:  # the "before" of the run's before -> after
-                self.initial = self.scores = scores = evaluate()
-                log_metrics(self.dir, {"step": 0, **self._eval_metrics(0, scores)})
+        self.trackers.start(self.dir, cfg)
+        if not cfg.resume and cfg.eval_on_start:  # the "before" of the run's before -> after
+            self.initial = self.scores = scores = evaluate()
+            self.write_metrics({"step": 0, **self._eval_metrics(0, scores)})
         script = os.path.basename(inspect.getfile(type(cfg))).removesuffix(".py")
         self.progress = tqdm(range(first_step + 1, cfg.max_steps + 1), initial=first_step, total=cfg.max_steps,
                              desc=script, dynamic_ncols=True, disable=not show_progress())
@@ -394,6 +405,7 @@ class Run:
             save_checkpoint(model, tokenizer, path, self.cfg.merge_lora and not folder, self.cfg.fsdp)
         write_json(os.path.join(self.dir, "eval.json"), self.scores)
         png = plot_metrics(self.dir, plots, title)
+        self.trackers.finish()  # (their files are whole before the folder moves in)
         finish_output_dir(self.dir, self.cfg, self.record)
         change = ", ".join(f"{name.replace('_', ' ')} " + (f"{_show(name, self.initial[name])} -> " if self.initial
                                                              else "") + _show(name, value)
@@ -422,7 +434,7 @@ class Run:
                 scores = ", ".join(f"{key} {value:.2f}" for key, value in sample.items() if isinstance(value, float))
                 log(f"  sample: {sample['prompt']!r} -> {sample['completion']!r} ({scores})")
         if line:
-            log_metrics(self.dir, {"step": step, **line})
+            self.write_metrics({"step": step, **line})
         self.progress.set_postfix(**self.progress_postfix)
         if self.weights_gave_finite_values and is_main_process():  # the last save's weights gave finite values
             promote_checkpoint(self.dir)
@@ -431,6 +443,11 @@ class Run:
                        "elapsed": time.perf_counter() - self.started, "learned_steps": self.learned_steps,
                        "no_signal": self.no_signal}
             save_training_state(self.dir, self.record, step, results, **self.training_state)
+
+    def write_metrics(self, row: dict):
+        """One line of metrics.jsonl ({"step": step, name: value, ...}), and the same to --report_to's trackers."""
+        log_metrics(self.dir, row)
+        self.trackers.log(row)
 
     def _eval_metrics(self, step: int, scores: dict) -> dict:
         """eval/<name> for each held-out score, and the run's clock; the scores printed."""
@@ -746,11 +763,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_mo
 RUN_NAMES = {*WEIGHT_FILES, "config.json", "generation_config.json", "README.md", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
              "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "metrics.jsonl", "completions.jsonl",
-             "eval.json", RUN_FILE}
+             "eval.json", RUN_FILE, "runs"}  # runs/: --report_to tensorboard's event files
 # The settings --resume lets change: how a run is watched and saved, not what it trains. Not the evaluation's:
 # the sampled evaluation draws from the random generator the rollouts draw from, so it changes what a run trains.
 RESUME_MAY_CHANGE = {"output_dir", "resume", "overwrite_output_dir", "logging_steps", "save_steps", "eval_on_start",
-                     "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps"}
+                     "gradient_checkpointing", "merge_lora", "trust_remote_code", "log_completions_steps", "report_to"}
 _locks = {}  # folder -> the open descriptor that holds its lock until this process ends
 _made = set()  # folders this process made (prepare_output_dir): an empty one is removed when the process ends
 
@@ -1091,6 +1108,55 @@ def log_completions(output_dir: str, step: int, **columns):
         for i in range(len(next(iter(columns.values())))):
             row = {"step": step, **{k: v[i] for k, v in columns.items()}}
             f.write(_json_line(row))
+
+
+class Trackers:
+    """--report_to (transformers' and TRL's name): each metrics line also goes to TensorBoard (event files in
+    <output_dir>/runs, as transformers' TensorBoardCallback writes them) and/or Trackio (local: its database in
+    TRACKIO_DIR, by default ~/.cache/huggingface/trackio; project TRACKIO_PROJECT or "rlhf", the run named after
+    --output_dir). metrics.jsonl and the PNG stay the run's record; nothing here changes what a step computes.
+    A package is imported only when its tracker is asked for. Rank 0 only."""
+
+    def __init__(self, report_to: str):
+        self.names = [name for name in TRACKERS if name in report_to.split(",")]
+        for name in self.names:
+            if importlib.util.find_spec(name) is None:
+                fail(f"--report_to {name} needs the {name} package, which is not installed: pip install {name}, "
+                     "or leave out --report_to")
+        self.writer = self.trackio = None
+
+    def start(self, run_dir: str, cfg):
+        if not is_main_process():
+            return
+        if "tensorboard" in self.names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=own_folder(os.path.join(run_dir, "runs")))
+        if "trackio" in self.names:
+            import trackio
+
+            self.trackio = trackio
+            trackio.init(project=os.environ.get("TRACKIO_PROJECT", "rlhf"),
+                         name=os.path.basename(os.path.realpath(cfg.output_dir)), config=dataclasses.asdict(cfg),
+                         resume="allow" if cfg.resume else "never", embed=False, auto_log_cpu=False, auto_log_gpu=False)
+
+    def log(self, row: dict):
+        """A metrics line {"step": step, name: value, ...}: its numbers, at its step."""
+        numbers = {key: value for key, value in row.items()
+                   if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self.writer is not None:
+            for key, value in numbers.items():
+                self.writer.add_scalar(key, value, row["step"])
+            self.writer.flush()
+        if self.trackio is not None:
+            self.trackio.log(numbers, step=row["step"])
+
+    def finish(self):
+        if self.writer is not None:
+            self.writer.close()
+        if self.trackio is not None:
+            self.trackio.finish()
+        self.writer = self.trackio = None
 
 
 # ---------------------------------------------------------------------------------------------
