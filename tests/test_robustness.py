@@ -403,6 +403,7 @@ def test_nan_stops_at_the_step_and_keeps_the_last_good_checkpoint(sft_checkpoint
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_text("the last good model")
+    (out / "run.json").write_text(json.dumps({"files": ["model.safetensors", "run.json"]}))  # a run's folder
     result = run("sft.py", "--model", str(broken), "--output_dir", str(out), "--max_steps", "5", "--eval_steps", "100",
                  "--overwrite_output_dir", "true", check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
