@@ -267,15 +267,27 @@ def loss_weights(pair_weights: torch.Tensor, loss_type: str) -> torch.Tensor:
     return torch.ones(2 * len(pair_weights)) if loss_type == "kto" else pair_weights
 
 
-def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_tokenizer=None):
+@dataclass
+class Pairs:
+    """Step 1: a step's B pairs as 2B rows [left-padded prompt | right-padded answer], the B chosen rows, then
+    the B rejected; online (sample_and_rank) two samples of each prompt ranked by the judge, offline
+    (dataset_pairs) the pairs of --dataset. Tensors on the policy's device."""
+    input_ids: torch.Tensor  # [2B, P+T]
+    attention_mask: torch.Tensor  # [2B, P+T]: 1 on the real tokens, each answer's EOS included
+    T: int  # the answers' columns, the last T of each row
+    weights: torch.Tensor  # [B]: what the loss counts (loss_weights), 1 a pair, 0 a tie; KTO [2B], 1 each answer
+    desirable: torch.Tensor  # [2B]: KTO's labels, 1 desirable (online: the checker's verdict; offline: chosen)
+    online_metrics: dict  # online: pairs, ties, the samples' accuracy (and the judge's score); offline {}
+    completions: dict | None  # online: the prompts, samples and scores to log; offline None
+    sampler_logprobs: torch.Tensor | None  # [2B, T] online: each sampled token's log-prob as the sampler had it
+
+
+def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_tokenizer=None) -> Pairs:
     """Online DPO's step 1 for the B prompts of step_data: two samples of each from the current
     policy, scored by the judge (the checker, or judge_model) and put in pair order, the B chosen
     rows then the B rejected (rank_pairs). A judge whose tokenizer is not the policy's (judge_tokenizer)
-    reads the samples as text in its own ids (reward_model.tokenize_samples). Returns input_ids,
-    attention_mask [2B, P+T], T, the weights the loss counts [B] (loss_weights: 0 for a tied pair;
-    KTO: [2B]), each row's verdict by the checker [2B] (1 right, 0 wrong: KTO's labels), the online
-    metrics, the completions to log, and the sampler's log-probs of the samples' tokens [2B, T]. Tensors on
-    the policy's device."""
+    reads the samples as text in its own ids (reward_model.tokenize_samples). KTO's labels are each
+    row's verdict by the checker (1 right, 0 wrong)."""
     texts = [common.make_prompt(tokenizer, q, cfg.system_prompt)
              for q in step_data["question"] for _ in range(2)]  # [2B]: each prompt twice
     prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
@@ -298,21 +310,19 @@ def sample_and_rank(model, tokenizer, judge_model, step_data: dict, cfg, judge_t
                "accuracy": correct.mean().item(),  # of the samples, as grpo.py logs it
                **({"score": scores.mean().item()} if judge_model is not None else {})}
     completions = {"prompt": texts, "completion": samples, "score": scores.tolist()}
-    return (input_ids[order], attention_mask[order], completion_ids.shape[1],
-            loss_weights(weights, cfg.loss_type).to(input_ids.device), correct[order.cpu()].to(input_ids.device),
-            metrics, completions, sampler_logprobs[order])
+    return Pairs(input_ids[order], attention_mask[order], completion_ids.shape[1],
+                 loss_weights(weights, cfg.loss_type).to(input_ids.device), correct[order.cpu()].to(input_ids.device),
+                 metrics, completions, sampler_logprobs[order])
 
 
-def dataset_pairs(batch: list, tokenizer, cfg, device):
-    """Offline DPO's step 1 for the B pairs of batch, as sample_and_rank returns online pairs:
-    input_ids, attention_mask [2B, P+T] (reward_model.collate: the B chosen rows, then the B rejected),
-    T, the weights the loss counts (loss_weights: every pair, or KTO's every answer), KTO's labels
-    [2B] (each chosen answer desirable, each rejected one not; TRL's unpair_preference_dataset), and
-    no online metrics, completions or sampler's log-probs."""
+def dataset_pairs(batch: list, tokenizer, cfg, device) -> Pairs:
+    """Offline DPO's step 1 for the B pairs of batch (reward_model.collate: the B chosen rows, then the
+    B rejected): every pair counts (KTO: every answer), each chosen answer is desirable and each rejected
+    one not (TRL's unpair_preference_dataset); no online metrics, completions or sampler's log-probs."""
     input_ids, attention_mask = (x.to(device) for x in reward_model.collate(batch, tokenizer.pad_token_id))
     T, B = max(max(len(c), len(r)) for _, c, r in batch), len(batch)
-    return (input_ids, attention_mask, T, loss_weights(torch.ones(B), cfg.loss_type).to(device),
-            (torch.arange(2 * B) < B).to(device), {}, None, None)
+    return Pairs(input_ids, attention_mask, T, loss_weights(torch.ones(B), cfg.loss_type).to(device),
+                 (torch.arange(2 * B) < B).to(device), {}, None, None)
 
 
 def check_ties(run, cfg, weights):
@@ -370,26 +380,25 @@ def kto_metrics(rewards, logps, lengths, desirable, z0) -> dict:
 
 
 @torch.no_grad()
-def step_log(cfg, step_pairs: tuple, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate,
+def step_log(cfg, batch: Pairs, logps, ref_logps, z0, entropy, loss, grad_norm, learning_rate,
              trained=None) -> tuple:
     """Step 5: run.end_step's arguments, the step's metrics and (online) its completions. The metrics, on
     the CPU: the loss; kto_metrics over KTO's desirable and undesirable answers, or step_metrics over
     the counted pairs, with the rewards of rewards_of; online DPO's pairs and ties; the policy's
     entropy, a mean over the answers' tokens as TRL's DPOTrainer logs it; online, the sampler's gap to the
     trainer's log-probs (trained [2B, T]: rollout.sampler_mismatch; with --steps_per_generation > 1 it also holds
-    how far the policy moved since it sampled). step_pairs: step 1's (sample_and_rank's or dataset_pairs's);
-    logps, ref_logps [2B]; entropy [2B, T]."""
-    _, attention_mask, T, weights, desirable, online_metrics, completions, sampler_logprobs = step_pairs
-    answer_mask = attention_mask[:, -T:]  # [2B, T]
+    how far the policy moved since it sampled). batch: step 1's pairs; logps, ref_logps [2B]; entropy [2B, T]."""
+    answer_mask = batch.attention_mask[:, -batch.T:]  # [2B, T]
     lengths = answer_mask.sum(dim=1).float()  # [2B] |y|
     rewards = rewards_of(cfg, logps, ref_logps, lengths).cpu()
-    metrics = (kto_metrics(rewards, logps.cpu(), lengths.cpu(), desirable.float().cpu(), z0) if cfg.loss_type == "kto"
-               else step_metrics(rewards, logps.cpu(), lengths.cpu(), weights.cpu()))
+    metrics = (kto_metrics(rewards, logps.cpu(), lengths.cpu(), batch.desirable.float().cpu(), z0)
+               if cfg.loss_type == "kto" else step_metrics(rewards, logps.cpu(), lengths.cpu(), batch.weights.cpu()))
     entropy_sums = torch.where(answer_mask.bool(), entropy, 0.0).sum(1).cpu()  # [2B], each row's
-    gap = rollout.sampler_mismatch(trained, sampler_logprobs, answer_mask) if sampler_logprobs is not None else {}
-    return ({"loss": loss.item(), **metrics, **online_metrics, **gap,
+    gap = (rollout.sampler_mismatch(trained, batch.sampler_logprobs, answer_mask)
+           if batch.sampler_logprobs is not None else {})
+    return ({"loss": loss.item(), **metrics, **batch.online_metrics, **gap,
              "entropy": entropy_sums.sum().item() / lengths.sum().item(),  # a token mean
-             "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, completions)
+             "grad_norm": grad_norm.item(), "learning_rate": learning_rate}, batch.completions)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,36 +480,36 @@ def main(cfg: Config):
                                 for _ in range(cfg.steps_per_generation)]
                 sampled = [sample_and_rank(model, tokenizer, judge_model, step_data, cfg, judge_tokenizer)
                            for step_data in step_prompts]
-            step_pairs = sampled.pop(0)
+            batch = sampled.pop(0)
         else:  # B pairs of the dataset
-            step_pairs = dataset_pairs(run.rng.sample(pairs, B), tokenizer, cfg, run.device)
-        input_ids, attention_mask, T, weights, desirable, *_ = step_pairs  # (online metrics, completions...: step 5)
-        check_ties(run, cfg, weights)  # online DPO: a step whose every pair is a tie has nothing to learn
+            batch = dataset_pairs(run.rng.sample(pairs, B), tokenizer, cfg, run.device)
+        check_ties(run, cfg, batch.weights)  # online DPO: a step whose every pair is a tie has nothing to learn
         temperature = cfg.temperature if cfg.online else 1.0
-        answer_mask = attention_mask[:, -T:]  # [2B, T]
+        answer_mask = batch.attention_mask[:, -batch.T:]  # [2B, T]
         lengths = answer_mask.sum(dim=1).float()  # [2B] |y|, EOS included
 
         # 2. The reference's log-probs, log pi_ref(y|x) per row [2B] (no gradient); KTO's reference point z0.
-        ref_logps, z0 = reference_pass(model, ref_model, input_ids, attention_mask, T, temperature, micro_batches,
-                                       cfg.loss_type)
+        ref_logps, z0 = reference_pass(model, ref_model, batch.input_ids, batch.attention_mask, batch.T, temperature,
+                                       micro_batches, cfg.loss_type)
 
         # 3. The policy's log-probs, each pair's loss (KTO: each answer's), its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)
-        step_count = common.mean_denominator(weights)  # counted pairs, or answers (under torchrun: of all / N)
+        step_count = common.mean_denominator(batch.weights)  # counted pairs, or answers (under torchrun: of all / N)
         loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's count, add up to it
         logps = torch.zeros_like(lengths)  # [2B], for the metrics
         entropy, trained = (torch.zeros_like(answer_mask, dtype=torch.float) for _ in range(2))  # [2B, T]: the
         # policy's entropy, and (online) its log-probs of the sampled tokens, against the sampler's
         for rows in micro_batches:  # one micro-batch of pairs at a time (memory); the gradients add up
             micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
-                model, input_ids[rows], attention_mask[rows], T, temperature)  # [2b, T] each
+                model, batch.input_ids[rows], batch.attention_mask[rows], batch.T, temperature)  # [2b, T] each
             micro_logps = sequence_logprobs(micro_logprobs, answer_mask[rows])  # [2b]
             micro_ref = ref_logps[rows] if ref_logps is not None else None  # [2b] (SimPO has no reference)
             if cfg.loss_type == "kto":  # KTO: each answer alone, desirable or not, against the reference point z0
-                micro_losses = kto_loss(micro_logps, micro_ref, desirable[rows], z0, cfg.beta, cfg.desirable_weight,
-                                        cfg.undesirable_weight) * weights[rows]  # [2b]
+                micro_losses = kto_loss(micro_logps, micro_ref, batch.desirable[rows], z0, cfg.beta,
+                                        cfg.desirable_weight, cfg.undesirable_weight) * batch.weights[rows]  # [2b]
             else:  # each pair: its chosen row against its rejected row (the pair's index), a tie weighing 0
-                micro_losses = pair_losses(cfg, micro_logps, micro_ref, lengths[rows]) * weights[rows[: len(rows) // 2]]
+                pair_weights = batch.weights[rows[: len(rows) // 2]]  # [b]
+                micro_losses = pair_losses(cfg, micro_logps, micro_ref, lengths[rows]) * pair_weights
             micro_loss = micro_losses.sum() / step_count
             micro_loss.backward()  # gradients add up over the micro-batches
             loss = loss + micro_loss.detach()
@@ -512,7 +521,7 @@ def main(cfg: Config):
         scheduler.step()
 
         # 5. Log the metrics and (online) the samples; when due: evaluate, write the metrics line, save a checkpoint.
-        run.end_step(*step_log(cfg, step_pairs, logps, ref_logps, z0, entropy, loss, grad_norm,
+        run.end_step(*step_log(cfg, batch, logps, ref_logps, z0, entropy, loss, grad_norm,
                                scheduler.get_last_lr()[0], trained))
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],

@@ -225,9 +225,9 @@ def test_a_judge_with_its_own_tokenizer_reads_the_samples_as_text():
     for judge_model, judge_tokenizer in ((judge, tokenizer), (rotated_judge, rotated_tok)):
         torch.manual_seed(0)
         outputs.append(dpo.sample_and_rank(policy, tokenizer, judge_model, step_data, cfg, judge_tokenizer))
-    (ids_a, _, _, weights_a, right_a, _, logged_a, _), (ids_b, _, _, weights_b, right_b, _, logged_b, _) = outputs
-    assert torch.equal(ids_a, ids_b) and torch.equal(weights_a, weights_b) and logged_a == logged_b
-    assert torch.equal(right_a, right_b)
+    a, b = outputs
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.weights, b.weights)
+    assert torch.equal(a.desirable, b.desirable) and a.completions == b.completions  # the verdicts, the scores
 
 
 # --- end to end --------------------------------------------------------------------------------
