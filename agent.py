@@ -373,10 +373,16 @@ def main(cfg: Config):
                 micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature,
                     entropy_grad=cfg.entropy_coeff > 0)
-                micro_loss = grpo.step_loss(micro_logprobs, grpo.rows_or_none(old_logprobs, rows),
-                                            grpo.rows_or_none(ref_logprobs, rows), advantages[rows], policy_mask[rows],
-                                            policy_mask, micro_entropy, cfg,  # grpo.grpo_loss by default
-                                            episodes.sampler_logprobs[rows])
+                micro_old = micro_logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # pi_old [n, T]
+                weights = (rollout.sampler_importance_weights(  # TIS: w = pi_old / pi_sampler, bounded
+                    micro_old, episodes.sampler_logprobs[rows], policy_mask[rows], cfg.vllm_importance_sampling_mode,
+                    cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
+                    if cfg.vllm_importance_sampling_correction else None)
+                micro_loss = (grpo.grpo_loss(micro_logprobs, micro_old, grpo.rows_or_none(ref_logprobs, rows),
+                                             advantages[rows], policy_mask[rows], cfg, policy_mask, weights)
+                              - cfg.entropy_coeff * grpo.aggregate(torch.where(policy_mask[rows].bool(), micro_entropy,
+                                                                               0.0), policy_mask[rows], cfg.loss_type,
+                                                                   policy_mask, cfg.max_completion_length))
                 micro_loss.backward()
                 loss = loss + micro_loss.detach()
                 logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()
@@ -415,7 +421,11 @@ def step_log(questions, completions, episodes, rewards_per_func, rewards, advant
                **call_rates([q for q in questions for _ in range(G)], episodes.calls),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **rollout.sampler_mismatch(old, episodes.sampler_logprobs, policy_mask,  # pi_old's gap
-                                          cfg.sampler_weights(old, episodes.sampler_logprobs, policy_mask))}
+                                          rollout.sampler_importance_weights(
+                                              old, episodes.sampler_logprobs, policy_mask,
+                                              cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+                                              cfg.vllm_importance_sampling_clip_min)
+                                          if cfg.vllm_importance_sampling_correction else None)}
     logged = {"prompt": [q for q in questions for _ in range(G)], "completion": completions,
               "advantage": advantages.tolist(), "calls": episodes.calls.tolist(), "reward": rewards.tolist()}
     return metrics, logged

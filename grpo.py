@@ -47,13 +47,31 @@ from common import setting
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages_of)
-LOSS_MODES = ("vanilla", "clip_cov", "kl_cov")  # Cui et al. 2025's remedies for a collapsing entropy (verl's names)
+
+# ---------------------------------------------------------------------------------------------
+# Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
+# as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
+# ---------------------------------------------------------------------------------------------
+def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
+    """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
+    return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
+
+
+FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
+
+
+def format_reward(prompts, completions, **kwargs) -> list[float]:
+    """+1.25 if the completion is exactly <think>...</think><answer>...</answer>, else -1."""
+    return [1.25 if FORMAT.match(completion.strip()) else -1.0 for completion in completions]
+
+
+REWARD_FUNCS = [correctness_reward, format_reward]
+
 
 @dataclass
 class Config(harness.PolicyGradientConfig):
-    """GRPO's settings; the run's (model, data, batch, AdamW, evaluation, LoRA, the sampler's correction, ...) are
-    harness.PolicyGradientConfig's."""
-    LOSS_SCALES = ("beta", "entropy_coeff", "ppo_kl_coef")  # scale a loss term: named in the advice after a NaN
+    """GRPO's settings (the run's, from the model to the sampler's correction, are harness.PolicyGradientConfig's)."""
+    LOSS_SCALES = ("beta", "entropy_coeff")  # scale a loss term: named in the advice after a NaN
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
     num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
@@ -74,15 +92,13 @@ class Config(harness.PolicyGradientConfig):
     advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
                                        "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
     """step 3, each reward against a baseline from its group (see advantages_of): 'grpo' (r - group mean) / std as
-    --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp'
-    r - group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and
-    reinforce_baseline"""
+    --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp' r -
+    group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and reinforce_baseline"""
     loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
-    """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo'
-    one mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over
-    completions x max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's
-    A * logp weighted by its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over
-    the step's tokens"""
+    """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo' one
+    mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over completions x
+    max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's A * logp weighted by
+    its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over the step's tokens"""
     scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
     """divide the centred rewards by the std of their 'group' (GRPO), of all the step's raw rewards ('batch'), or
     'none' (Dr. GRPO)"""
@@ -98,24 +114,6 @@ class Config(harness.PolicyGradientConfig):
     """an entropy bonus: the loss minus entropy_coeff x the policy's entropy averaged as --loss_type averages the
     token losses (verl's name and default, 0), paying the policy to stay unsure (see grpo_loss); the entropy's
     graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
-    loss_mode: str = setting("vanilla", lambda v: v in LOSS_MODES, "one of " + ", ".join(LOSS_MODES))
-    """the covariance remedies of Cui et al. 2025 (verl's policy_loss.loss_mode; see per_token_loss): 'clip_cov'
-    drops the gradient of a random --clip_cov_ratio of the tokens whose covariance of log-prob and advantage lies in
-    (--clip_cov_lb, --clip_cov_ub); 'kl_cov' adds --ppo_kl_coef x |log ratio| on the top --kl_cov_ratio of tokens
-    by that covariance, and, as their code, clips no token; 'vanilla' neither"""
-    clip_cov_ratio: float = setting(2e-4, lambda v: 0 < v <= 1, "in (0, 1]")
-    """with --loss_mode clip_cov: the share of a micro-batch's tokens whose gradient is dropped (at least 1; the
-    paper's 2e-4 picks 1 token of a tiny-model step's ~3,000)"""
-    clip_cov_lb: float = setting(1.0, lambda v: True, "a finite number (a covariance may have either sign)")
-    """with --loss_mode clip_cov: a token is a candidate when its covariance is above this (the paper's 1)"""
-    clip_cov_ub: float = setting(5.0, lambda v: True, "a finite number, above --clip_cov_lb")
-    """with --loss_mode clip_cov: ... and below this (the paper's 5)"""
-    kl_cov_ratio: float = setting(2e-3, lambda v: 0 < v <= 1, "in (0, 1]")
-    """with --loss_mode kl_cov: the share of a micro-batch's tokens, those of highest covariance, that pay the
-    penalty (at least 1; the paper's 2e-3 for 7B models, 2e-4 for 32B)"""
-    ppo_kl_coef: float = setting(1.0, lambda v: v > 0, "positive")
-    """with --loss_mode kl_cov: the penalty's weight on |log pi - log pi_old| (the paper's scripts' 1; verl's
-    config file has 0.1)"""
     # the run's settings (harness.py) at GRPO's defaults
     output_dir: str = "out/grpo"
     per_device_train_batch_size: int = 128
@@ -137,41 +135,9 @@ class Config(harness.PolicyGradientConfig):
         if self.changed("max_sampling_rounds") and not self.dynamic_sampling:
             common.fail("--max_sampling_rounds limits DAPO's dynamic sampling: add --dynamic_sampling true, or leave "
                         "it out")
-        for name, mode in (("clip_cov_ratio", "clip_cov"), ("clip_cov_lb", "clip_cov"), ("clip_cov_ub", "clip_cov"),
-                           ("kl_cov_ratio", "kl_cov"), ("ppo_kl_coef", "kl_cov")):
-            if self.changed(name) and self.loss_mode != mode:
-                common.fail(f"--{name} belongs to --loss_mode {mode}: add it, or leave --{name} out")
-        if self.clip_cov_lb >= self.clip_cov_ub:
-            common.fail(f"--clip_cov_lb ({self.clip_cov_lb}) must be below --clip_cov_ub ({self.clip_cov_ub})")
-        if self.loss_mode != "vanilla" and (self.loss_type == "cispo" or self.importance_sampling_level != "token"):
-            common.fail(f"--loss_mode {self.loss_mode} selects single tokens of the PPO objective: use it with a "
-                        "--loss_type other than cispo and --importance_sampling_level token")
-        if self.loss_mode == "kl_cov" and self.num_iterations == 1:
-            common.fail("--loss_mode kl_cov penalises |log pi - log pi_old|, which is 0, with no gradient, at the "
-                        "first update of a batch: it acts from the second on, so set --num_iterations 2 or more")
         if self.advantage_estimator != "grpo" and self.scale_rewards != "group":
             common.fail(f"--scale_rewards belongs to --advantage_estimator grpo; {self.advantage_estimator} has its "
                         "own scale")
-
-
-# ---------------------------------------------------------------------------------------------
-# Reward functions: plain callables f(prompts, completions, **dataset_columns) -> list[float],
-# as in TRL. Note 002's rewards: answer +1 / -1, format +1.25 / -1. The total is their sum.
-# ---------------------------------------------------------------------------------------------
-def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
-    return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
-
-
-FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
-
-
-def format_reward(prompts, completions, **kwargs) -> list[float]:
-    """+1.25 if the completion is exactly <think>...</think><answer>...</answer>, else -1."""
-    return [1.25 if FORMAT.match(completion.strip()) else -1.0 for completion in completions]
-
-
-REWARD_FUNCS = [correctness_reward, format_reward]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,12 +217,8 @@ def advantages_of(rewards: torch.Tensor, group_size: int, estimator: str = "grpo
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'; notes 002 / 004):
-
-        k3 = exp(ref - logp) - (ref - logp) - 1
-
-    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. In the
-    loss (DeepSeekMath) its gradient is that of the forward KL(pi_ref || pi), not of KL(pi || pi_ref):
-    docs/grpo.md#where-the-kl-estimate-goes derives it, and TRL's correction. [N, T] -> [N, T]."""
+    k3 = exp(ref - logp) - (ref - logp) - 1, >= 0, its mean over tokens sampled from pi unbiased. In the loss its
+    gradient is the forward KL's, KL(pi_ref || pi): docs/grpo.md#where-the-kl-estimate-goes. [N, T] -> [N, T]."""
     log_ratio = ref_logprobs - logprobs
     return torch.exp(log_ratio) - log_ratio - 1
 
@@ -269,39 +231,25 @@ def drop_truncated(completion_ids, completion_mask, eos_token_id: int) -> torch.
 
 
 def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
-    """pi_theta / pi_old: per token, [N, T] (PPO, GRPO), or per completion, [N, 1] (GSPO, Zheng et
-    al. 2025): exp of the mean over the completion's tokens of log pi_theta - log pi_old, i.e. the
-    geometric mean of its token ratios; the sequence, not the token, is the unit the reward scored.
-    Padding must hold 0 in both log-prob tensors."""
+    """pi_theta / pi_old per token, [N, T], or per completion, [N, 1]: GSPO's (Zheng et al. 2025) exp of the mean of
+    its tokens' log pi_theta - log pi_old, the geometric mean of their ratios. Padding must hold 0 in both."""
     log_ratio = logprobs - old_logprobs  # [N, T]
     if importance_sampling_level == "sequence":
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
-    elif importance_sampling_level != "token":
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
     return torch.exp(log_ratio)
 
 
 def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
                    importance_sampling_level="token", cispo=False, sampler_weights=None) -> torch.Tensor:
-    """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
-
-        ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
-        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
-
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
-    l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
-    pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
-    sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): w_it multiplies the policy term,
-    not the KL term, l_it = -w_it min(...) + beta k3_t (rollout.sampler_importance_weights: TIS).
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
-    when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
-    or the gradient."""
+    """The GRPO objective of notes 002 / 004 at token t of completion i, as a loss to minimise:
+        l_it = -( w_it min(ratio A_i, clip(ratio, 1 - eps, 1 + eps_high) A_i) - beta k3_it ),  ratio = pi / pi_old
+    eps_high = epsilon_high, or eps (DAPO's clip-higher); w_it = sampler_weights (TIS), else 1; cispo (MiniMax-M1):
+    -w_it min(ratio, eps_high).detach() A_i logp in place of the min. logprobs, old_logprobs, ref_logprobs (None when
+    beta is 0), mask [N, T]; advantages [N] -> [N, T], 0 at padding: junk there never reaches value or gradient."""
     mask = mask.bool()
-    logprobs = torch.where(mask, logprobs, 0.0)  # padding zeroed first
-    old_logprobs = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
+    logprobs, old_logprobs = torch.where(mask, logprobs, 0.0), torch.where(mask, old_logprobs, 0.0)  # padding: 0
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
-    A = advantages.unsqueeze(1)  # [N, 1]
-    high = clip_eps if epsilon_high is None else epsilon_high
+    A, high = advantages.unsqueeze(1), clip_eps if epsilon_high is None else epsilon_high  # A [N, 1]
     if cispo:  # a capped, detached weight on the plain policy gradient
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
@@ -314,146 +262,32 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
 
 
 def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=None) -> torch.Tensor:
-    """The loss from the losses of the real tokens (per_token, mask [N, T]), by loss_type (TRL's names;
-    docs/grpo.md's table says what each weighs):
-      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
-      'bnpo'    one mean over this micro-batch's tokens
-      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process);
-                'cispo' averages so too
-      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
-    step_mask: the whole step's mask when these rows are one micro-batch of it (gradient accumulation):
-    its counts divide, so the micro-batches' losses and gradients add up to the step's ('bnpo' divides
-    by the number of micro-batches); under torchrun the tokens are those of every process."""
+    """The loss from the real tokens' losses (per_token, mask [N, T]) by loss_type (TRL's names; docs/grpo.md's table):
+    'grpo' each completion's mean, then their mean; 'bnpo' one mean over the micro-batch's tokens; 'dapo', 'cispo' one
+    mean over the step's tokens; 'dr_grpo' the sum / (completions x max_completion_length). step_mask: the step's mask
+    (every process's), whose counts divide: the micro-batches' losses add up to the step's ('bnpo': / micro-batches)."""
     mask = mask.bool()
     step_mask = mask if step_mask is None else step_mask
     sequences = len(step_mask)
     if loss_type == "grpo":
-        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
-        return per_sequence.sum() / sequences
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / sequences  # completions' means, averaged
     if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
     if loss_type in ("dapo", "cispo"):
         return per_token.sum() / common.mean_denominator(step_mask)
-    if loss_type == "dr_grpo":
-        return per_token.sum() / (sequences * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
+    return per_token.sum() / (sequences * max_completion_length)  # dr_grpo
 
 
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None,
-              sampler_weights=None):
-    """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
-    (aggregate). The arguments are theirs."""
-    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                               importance_sampling_level, loss_type == "cispo", sampler_weights)  # [N, T]
-    return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
-
-
-# ---------------------------------------------------------------------------------------------
-# Remedies for a falling entropy (off by default): an entropy bonus, Cui et al. 2025's Clip-Cov and KL-Cov
-# ---------------------------------------------------------------------------------------------
-def token_covariance(logprobs, advantages, mask) -> torch.Tensor:
-    """Each token's share of the covariance that drives the entropy (Cui et al. 2025, "The Entropy Mechanism
-    of RL for Reasoning LMs", section 3): for a softmax policy, a policy-gradient step changes the entropy by
-    about -lr x Cov(log pi(a), A(a)), so tokens the policy is already sure of (high logp) with a positive
-    advantage, and unlikely ones with a negative advantage, drive it down. Per token i over the real tokens:
-
-        cov_i = (A_i - mean A) (logp_i - mean logp)        (means over the micro-batch's real tokens)
-
-    No gradient. logprobs, mask [N, T], advantages [N] -> [N, T], -inf at padding (never picked)."""
-    mask = mask.bool()
-    logp, A = logprobs.detach(), advantages.unsqueeze(1).expand_as(logprobs)
-    cov = (A - A[mask].mean()) * (logp - logp[mask].mean())
-    return torch.where(mask, cov, float("-inf"))
-
-
-def covariance_tokens(logprobs, advantages, mask, mode: str, ratio: float, bounds=None, eligible=None) -> torch.Tensor:
-    """The tokens Cui et al.'s remedies act on, as their code picks them (verl's compute_policy_loss_clip_cov and
-    _kl_cov at commit b178a3c), n = max(1, int(ratio x the real tokens)):
-        clip_cov   n tokens drawn at random from those with lb < cov_i < ub, bounds = (lb, ub) (and eligible:
-                   not clipped already)
-        kl_cov     the n tokens of highest cov_i
-    mask [N, T]: the real tokens; eligible [N, T] bool or None (all). Returns [N, T] bool."""
-    mask = mask.bool()
-    picked = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
-    if not mask.any():
-        return picked.view_as(mask)
-    values = token_covariance(logprobs, advantages, mask).flatten()  # [N*T]
-    n = max(1, int(ratio * int(mask.sum())))
-    if mode == "kl_cov":
-        picked[values.topk(min(n, int(mask.sum()))).indices] = True
-    else:
-        low, high = bounds
-        allowed = mask if eligible is None else mask & eligible
-        candidates = ((values > low) & (values < high) & allowed.flatten()).nonzero().squeeze(1)
-        picked[candidates[torch.randperm(len(candidates), device=mask.device)[:n]]] = True
-    return picked.view_as(mask)
-
-
-def cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                       mode: str, ratio: float, bounds=(1.0, 5.0), coef: float = 1.0,
-                       sampler_weights=None) -> torch.Tensor:
-    """per_token_loss with one of Cui et al.'s remedies (mode 'clip_cov' or 'kl_cov') on the tokens
-    covariance_tokens picks (ratio, bounds), as their code (verl, commit b178a3c):
-
-        clip_cov   l_it = 0 on the picked tokens, drawn from those the clip has not clipped already (no value,
-                   no gradient; they still count in the mean): the tokens that drive the entropy down stop
-        kl_cov     l_it = -ratio * A_i (+ the KL term) on every token, no clip, + coef * |logp - old_logp| on the
-                   picked ones: a brake on exactly the tokens that drive the entropy down
-
-    The arguments are per_token_loss's (sampler_weights weigh its policy term only, not the kl_cov penalty);
-    returns [N, T], 0 at padding."""
-    mask = mask.bool()
-    logprobs = torch.where(mask, logprobs, 0.0)
-    old = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
-    if mode == "kl_cov":  # an infinite clip range: min(ratio A, ratio A), no token clipped
-        per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, float("inf"), beta,
-                                   float("inf"), sampler_weights=sampler_weights)  # [N, T]
-        picked = covariance_tokens(logprobs, advantages, mask, mode, ratio)  # [N, T] bool
-        return per_token + torch.where(picked, coef * (logprobs - old).abs(), 0.0)
-    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                               sampler_weights=sampler_weights)
-    # which tokens the clip already holds: per_token_loss's own comparison, redone here (it returns the loss only)
-    token_ratio, A = torch.exp(logprobs - old), advantages.unsqueeze(1)  # [N, T], [N, 1]
-    high = clip_eps if epsilon_high is None else epsilon_high
-    clipped = torch.clamp(token_ratio, 1 - clip_eps, 1 + high) * A < token_ratio * A  # [N, T]: the clip chose its bound
-    picked = covariance_tokens(logprobs, advantages, mask, mode, ratio, bounds, eligible=~clipped)  # [N, T] bool
-    return torch.where(picked, 0.0, per_token)
-
-
-def step_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, step_mask, entropy, cfg,
-              sampler_logprobs=None) -> torch.Tensor:
-    """Step 5's loss from the settings: grpo_loss, unless a remedy is set (--loss_mode, --entropy_coeff). With
-    --loss_mode clip_cov or kl_cov the token losses are cov_per_token_loss's; with an entropy bonus (verl's
-    entropy_coeff; Williams & Peng 1991):
-
-        loss = aggregate(l_it) - entropy_coeff * aggregate(H_it),    H_it = -sum_v pi(v) log pi(v)
-
-    entropy [N, T] must carry its gradient then (rollout.completion_logprobs_and_entropy(entropy_grad=True)).
-    With --vllm_importance_sampling_correction each token's policy term is weighted by w_it
-    (rollout.sampler_importance_weights) from pi_old as the trainer computes it and the sampler's
-    sampler_logprobs [N, T]."""
-    trainer_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs  # pi_old by the trainer [N, T]
-    sampler_weights = cfg.sampler_weights(trainer_logprobs, sampler_logprobs, mask)  # [N, T] or [N, 1]; None: off
-    if cfg.loss_mode == "vanilla":
-        loss = grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta, cfg.loss_type,
-                         step_mask=step_mask, epsilon_high=cfg.epsilon_high,
-                         importance_sampling_level=cfg.importance_sampling_level,
-                         max_completion_length=cfg.max_completion_length, sampler_weights=sampler_weights)
-    else:
-        ratio = cfg.kl_cov_ratio if cfg.loss_mode == "kl_cov" else cfg.clip_cov_ratio
-        per_token = cov_per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta,
-                                       cfg.epsilon_high, cfg.loss_mode, ratio, (cfg.clip_cov_lb, cfg.clip_cov_ub),
-                                       cfg.ppo_kl_coef, sampler_weights)  # [N, T]
-        loss = aggregate(per_token, mask, cfg.loss_type, step_mask, cfg.max_completion_length)
-    if cfg.entropy_coeff > 0:
-        loss = loss - cfg.entropy_coeff * aggregate(torch.where(mask.bool(), entropy, 0.0), mask, cfg.loss_type,
-                                                    step_mask, cfg.max_completion_length)
-    return loss
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg, step_mask=None, sampler_weights=None):
+    """GRPO's loss: per_token_loss at cfg's settings, averaged by --loss_type (aggregate); main adds an entropy term."""
+    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cfg.epsilon, cfg.beta,
+                               cfg.epsilon_high, cfg.importance_sampling_level, cfg.loss_type == "cispo",
+                               sampler_weights)  # [N, T]
+    return aggregate(per_token, mask, cfg.loss_type, step_mask, cfg.max_completion_length)
 
 
 def rows_or_none(values: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """A micro-batch's rows of a pass's log-probs; None (not computed: pi_old = pi, or no reference) stays None."""
+    """A micro-batch's rows of a pass's log-probs; None (not computed: no reference) stays None."""
     return None if values is None else values[rows]
 
 
@@ -511,12 +345,16 @@ def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, l
     before clipping, the learning rate; with dynamic sampling its rounds and kept groups) and what the
     policy wrote (completions.jsonl's columns). old_logprobs None: pi_old = pi."""
     old = old_logprobs if old_logprobs is not None else logprobs
+    weights = (rollout.sampler_importance_weights(  # TIS's w, from pi_old, as the loss took them
+        old, batch.sampler_logprobs, batch.completion_mask, cfg.vllm_importance_sampling_mode,
+        cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
+        if cfg.vllm_importance_sampling_correction else None)
     metrics = {"loss": loss.item(),
                **step_metrics(batch.rewards_per_func, batch.completion_mask, logprobs, old, ref_logprobs, advantages,
                               cfg, entropy),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **rollout.sampler_mismatch(old, batch.sampler_logprobs, batch.completion_mask,  # pi_old's gap
-                                          cfg.sampler_weights(old, batch.sampler_logprobs, batch.completion_mask)),
+                                          weights),
                **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
                    cfg.num_generations} if rounds is not None else {})}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),
@@ -606,7 +444,7 @@ def dynamic_sampling(batch: Rollout, sample_more, group_size: int, num_groups: i
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
-def main(cfg: Config):
+def main(cfg: Config, policy_loss=grpo_loss):  # grpo_entropy.py passes its own loss
     run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, output folder, torchrun
     G = cfg.num_generations
     num_prompts = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G  # B
@@ -658,7 +496,7 @@ def main(cfg: Config):
             with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
                 ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
                                                  cfg.temperature, micro_batches=micro_batches)
-        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: grpo_loss uses pi's own log-probs
+        if cfg.num_iterations > 1:  # with one update per batch pi_old is pi itself: step 5 takes pi's log-probs
             old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
                                              cfg.temperature, micro_batches=micro_batches)
 
@@ -671,9 +509,16 @@ def main(cfg: Config):
                 micro_logprobs, micro_entropy = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature,
                     entropy_grad=cfg.entropy_coeff > 0)  # [n, T] each
-                micro_loss = step_loss(micro_logprobs, rows_or_none(old_logprobs, rows),  # grpo_loss by default
-                                       rows_or_none(ref_logprobs, rows), advantages[rows], loss_mask[rows],
-                                       loss_mask, micro_entropy, cfg, batch.sampler_logprobs[rows])
+                micro_old = micro_logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # pi_old [n, T]
+                weights = (rollout.sampler_importance_weights(  # TIS: w = pi_old / pi_sampler, bounded [n, T] or [n, 1]
+                    micro_old, batch.sampler_logprobs[rows], loss_mask[rows], cfg.vllm_importance_sampling_mode,
+                    cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
+                    if cfg.vllm_importance_sampling_correction else None)
+                micro_loss = (policy_loss(micro_logprobs, micro_old, rows_or_none(ref_logprobs, rows), advantages[rows],
+                                          loss_mask[rows], cfg, loss_mask, weights)  # grpo_loss
+                              - cfg.entropy_coeff * aggregate(torch.where(loss_mask[rows].bool(), micro_entropy, 0.0),
+                                                              loss_mask[rows], cfg.loss_type, loss_mask,
+                                                              cfg.max_completion_length))  # the entropy bonus
                 micro_loss.backward()  # gradients add up over the micro-batches
                 loss = loss + micro_loss.detach()
                 logprobs[rows], entropy[rows] = micro_logprobs.detach(), micro_entropy.detach()

@@ -208,19 +208,6 @@ class PolicyGradientConfig(RLConfig):
             fail(f"--vllm_importance_sampling_clip_min ({low}) must be below --vllm_importance_sampling_clip_max "
                  f"({high})")
 
-    def sampler_weights(self, trainer_logprobs, sampler_logprobs, mask):
-        """The weights w of rollout.sampler_importance_weights at these settings ([N, T], or [N, 1] for the sequence
-        modes), from pi_old as the trainer computes it and as the sampler did; None when the correction is off."""
-        if not self.vllm_importance_sampling_correction:
-            return None
-        if sampler_logprobs is None:
-            raise ValueError("--vllm_importance_sampling_correction needs the sampler's log-probs "
-                             "(rollout.generate(..., return_logprobs=True))")
-        return rollout.sampler_importance_weights(trainer_logprobs, sampler_logprobs, mask,
-                                                  self.vllm_importance_sampling_mode,
-                                                  self.vllm_importance_sampling_clip_max,
-                                                  self.vllm_importance_sampling_clip_min)
-
 
 def run_setting(name: str, default=dataclasses.MISSING):
     """A run setting (RLConfig's, or a class it extends) in a Config that is not a training run's

@@ -5,10 +5,11 @@ learns to imitate them. The objective (note 001) is
 
     J_MIX = (1 - mu) * J_GRPO(usual rows) + mu * (mean log-likelihood of the expert answers)
 
-MIX's own code comes first (its settings, the expert rows, mix_loss, main); below one heading are
-the functions of grpo.py that MIX runs, letter for letter. MIX runs GRPO's group advantages, loss
-aggregations, clip-higher and updates per batch, as Trinity-RFT's MIX offers them (grpo.py's other
-estimators, GSPO, CISPO and DAPO's filters stay there). Where it differs from Trinity: docs/mix.md.
+This file holds MIX's own code (its settings, the expert rows, mix_loss, main); the GRPO it extends is
+grpo.py's, imported (its reward functions, group advantages, grpo_loss, metrics, steps 1 and 2), as
+agent.py and grpo_entropy.py import it. MIX runs GRPO's group advantages, loss aggregations,
+clip-higher and updates per batch, as Trinity-RFT's MIX offers them (grpo.py's other estimators, GSPO,
+CISPO and DAPO's filters stay there). Where it differs from Trinity: docs/mix.md.
 
     python sft.py && python mix.py                       # tiny model from out/sft -> out/mix
     python mix.py --mu 0 --expert_data_ratio 0           # plain GRPO again
@@ -29,13 +30,13 @@ main()'s loop numbers these steps; rollout.py and harness.py hold the rollout an
 """
 import copy
 import math
-import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import common
+import grpo
 import harness
 import rollout
 from common import setting
@@ -69,7 +70,7 @@ class Config(harness.PolicyGradientConfig):
     """how token losses are averaged, in both terms (see grpo_loss and sft_loss): 'grpo' each answer's mean, then
     over answers (note 001's formula); 'bnpo' each micro-batch's token mean (Trinity's token-mean); 'dapo' one mean
     over the step's tokens; 'dr_grpo' the sum over answers x max_completion_length"""
-    importance_sampling_level = "token"  # not a setting: MIX's GRPO term has a ratio per token (step_metrics reads it)
+    importance_sampling_level = "token"  # not a setting: MIX's GRPO term has a ratio per token (grpo_loss reads it)
     # the run's settings (harness.py) at this script's defaults
     output_dir: str = "out/mix"
     per_device_train_batch_size: int = 128
@@ -144,36 +145,33 @@ def sft_loss(logprobs, mask, loss_type="grpo", step_mask=None, max_completion_le
     averaged as GRPO's term is (aggregate). logprobs, mask [B', T]: the expert rows only; padding never
     counts. step_mask: the whole step's expert rows when these are one micro-batch of it."""
     nll = torch.where(mask.bool(), -logprobs, 0.0)  # [B', T]
-    return aggregate(nll, mask, loss_type, step_mask, max_completion_length)
+    return grpo.aggregate(nll, mask, loss_type, step_mask, max_completion_length)
 
 
-def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, mu, clip_eps, beta, loss_type="grpo",
-             step_masks=None, epsilon_high=None, max_completion_length=None, sampler_weights=None):
-    """MIX's objective (note 001), as a loss to minimise:
+def mix_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, expert_mask, cfg, step_masks=None,
+             sampler_weights=None):
+    """MIX's objective (note 001), as a loss to minimise, at cfg's --mu and grpo.py's settings:
         loss = (1 - mu) * grpo_loss(usual rows) + mu * sft_loss(expert rows)
     expert_mask [N] (bool) routes each row. A usual row (False) is a rollout of the policy: the
     clipped ratio times its group advantage, plus the KL penalty. An expert row (True) is an
     expert's answer, never sampled from pi: only its negative log-likelihood counts (no advantage,
     no ratio, and no KL: k3 estimates KL(pi || pi_ref) only on tokens pi sampled). A term with no
-    rows is 0. logprobs, old_logprobs (None: pi_old = pi), ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
+    rows is 0. logprobs, old_logprobs (pi_old), ref_logprobs, mask [N, T]; advantages [N]. step_masks: the
     whole step's (mask, expert_mask) when these rows are one micro-batch of it, so each term is
     divided by the step's counts. sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): the
-    usual rows' weights w (per_token_loss). Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
+    usual rows' weights w (grpo.per_token_loss). Where Trinity-RFT's MIXPolicyLossFn differs (the aggregation, the
     KL's place, the micro-batch weights): docs/mix.md."""
     usual = ~expert_mask
     step_mask, step_is_expert = step_masks if step_masks is not None else (mask, expert_mask)  # [N, T], [N]
     grpo_term = sft_term = logprobs.new_zeros(())
     if usual.any():
-        old = old_logprobs[usual] if old_logprobs is not None else None  # None: pi_old = pi
-        ref = ref_logprobs[usual] if ref_logprobs is not None else None
-        weights = sampler_weights[usual] if sampler_weights is not None else None
-        grpo_term = grpo_loss(logprobs[usual], old, ref, advantages[usual], mask[usual], clip_eps, beta, loss_type,
-                              step_mask[~step_is_expert], epsilon_high, max_completion_length=max_completion_length,
-                              sampler_weights=weights)
+        grpo_term = grpo.grpo_loss(logprobs[usual], old_logprobs[usual], grpo.rows_or_none(ref_logprobs, usual),
+                                   advantages[usual], mask[usual], cfg, step_mask[~step_is_expert],
+                                   grpo.rows_or_none(sampler_weights, usual))
     if expert_mask.any():
-        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], loss_type, step_mask[step_is_expert],
-                            max_completion_length)
-    return (1 - mu) * grpo_term + mu * sft_term
+        sft_term = sft_loss(logprobs[expert_mask], mask[expert_mask], cfg.loss_type, step_mask[step_is_expert],
+                            cfg.max_completion_length)
+    return (1 - cfg.mu) * grpo_term + cfg.mu * sft_term
 
 
 @torch.no_grad()
@@ -181,11 +179,9 @@ def mix_metrics(logprobs, old_logprobs, ref_logprobs, advantages, loss_mask, exp
     """MIX's terms under Trinity's usual/ and expert/ prefixes: usual/loss (GRPO's, with beta x k3: Trinity's
     usual/pg_loss has no KL), expert/sft_loss (the expert NLL; none without expert rows), the rows of each."""
     usual = ~expert_mask
-    ref_usual = ref_logprobs[usual] if ref_logprobs is not None else None
     return {
-        "usual/loss": grpo_loss(logprobs[usual], old_logprobs[usual], ref_usual, advantages[usual], loss_mask[usual],
-                                cfg.epsilon, cfg.beta, cfg.loss_type, epsilon_high=cfg.epsilon_high,
-                                max_completion_length=cfg.max_completion_length).item(),
+        "usual/loss": grpo.grpo_loss(logprobs[usual], old_logprobs[usual], grpo.rows_or_none(ref_logprobs, usual),
+                                     advantages[usual], loss_mask[usual], cfg).item(),
         **({"expert/sft_loss": sft_loss(logprobs[expert_mask], loss_mask[expert_mask], cfg.loss_type,
                                         max_completion_length=cfg.max_completion_length).item()}
            if expert_mask.any() else {}),
@@ -201,16 +197,18 @@ def step_log(batch, expert_mask, advantages, logprobs, old_logprobs, ref_logprob
     columns. old_logprobs None: pi."""
     old, usual = old_logprobs if old_logprobs is not None else logprobs, ~expert_mask
     gap = (old[usual], sampler_logprobs[usual], completion_mask[usual])  # pi_old by the trainer, by the sampler
+    weights = (rollout.sampler_importance_weights(  # TIS's w, from pi_old, as the loss took them
+        *gap, cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+        cfg.vllm_importance_sampling_clip_min) if cfg.vllm_importance_sampling_correction else None)
     metrics = {"loss": loss.item(),
-               **step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
-                              ref_logprobs[usual] if ref_logprobs is not None else None, advantages[usual], cfg,
-                              entropy[usual]),
+               **grpo.step_metrics(batch.rewards_per_func, completion_mask[usual], logprobs[usual], old[usual],
+                                   grpo.rows_or_none(ref_logprobs, usual), advantages[usual], cfg, entropy[usual]),
                "grad_norm": grad_norm.item(), "learning_rate": scheduler.get_last_lr()[0],
                **mix_metrics(logprobs, old, ref_logprobs, advantages, completion_mask, expert_mask, cfg),
-               **rollout.sampler_mismatch(*gap, cfg.sampler_weights(*gap))}
+               **rollout.sampler_mismatch(*gap, weights)}
     completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages[usual].tolist(),
                    **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
-                      for i, f in enumerate(REWARD_FUNCS)}}
+                      for i, f in enumerate(grpo.REWARD_FUNCS)}}
     return metrics, completions
 
 
@@ -243,11 +241,11 @@ def main(cfg: Config):
     for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
         step_data = train_data[run.rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
-        batch = sample_and_score(model, tokenizer, step_data, cfg)
+        batch = grpo.sample_and_score(model, tokenizer, step_data, cfg)
         rewards = batch.rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
-        advantages = group_advantages(rewards, G).to(run.device)  # [B*G]
+        advantages = grpo.group_advantages(rewards, G).to(run.device)  # [B*G]
 
         # 3b. MIX: E expert answers join the batch below the rollouts; expert_mask marks them.
         expert_rows = [expert_examples[i] for i in run.rng.sample(range(len(expert_examples)), num_expert)]
@@ -261,15 +259,15 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
         T = completion_ids.shape[1]
-        # the rollouts' sampler log-probs, widened to T; 0 on the expert rows, which no sampler wrote: [B*G+E, T]
-        sampler_logprobs = F.pad(batch.sampler_logprobs, (0, T - batch.completion_ids.shape[1], 0, num_expert))
+        sampler_logprobs = torch.cat([F.pad(batch.sampler_logprobs, (0, T - batch.completion_ids.shape[1])),  # to T
+                                      batch.sampler_logprobs.new_zeros(num_expert, T)])  # [B*G+E, T]: 0 on expert rows
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
         ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed; None: not computed
         if cfg.beta > 0:
             with common.reference_model(model, ref_model) as reference:  # the frozen copy, or LoRA switched off
                 ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
                                                  cfg.temperature, micro_batches=micro_batches)
-        if cfg.num_iterations > 1:  # with one update per batch, pi_old == pi: mix_loss uses pi's own log-probs
+        if cfg.num_iterations > 1:  # with one update per batch pi_old is pi itself: step 5 takes pi's log-probs
             old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
                                              cfg.temperature, micro_batches=micro_batches)
 
@@ -281,14 +279,14 @@ def main(cfg: Config):
             for rows in micro_batches:  # one micro-batch of rows at a time (memory); the gradients add up
                 micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                     model, input_ids[rows], attention_mask[rows], T, cfg.temperature)  # [n, T] each
-                micro_old = old_logprobs[rows] if old_logprobs is not None else micro_logprobs.detach()  # [n, T]
-                micro_loss = mix_loss(
-                    micro_logprobs, old_logprobs[rows] if old_logprobs is not None else None,
-                    ref_logprobs[rows] if ref_logprobs is not None else None, advantages[rows], completion_mask[rows],
-                    expert_mask[rows], mu=cfg.mu, clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                    loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                    step_masks=(completion_mask, expert_mask),
-                    sampler_weights=cfg.sampler_weights(micro_old, sampler_logprobs[rows], completion_mask[rows]))
+                micro_old = micro_logprobs.detach() if old_logprobs is None else old_logprobs[rows]  # pi_old [n, T]
+                weights = (rollout.sampler_importance_weights(  # TIS: w = pi_old / pi_sampler, bounded
+                    micro_old, sampler_logprobs[rows], completion_mask[rows], cfg.vllm_importance_sampling_mode,
+                    cfg.vllm_importance_sampling_clip_max, cfg.vllm_importance_sampling_clip_min)
+                    if cfg.vllm_importance_sampling_correction else None)
+                micro_loss = mix_loss(micro_logprobs, micro_old, grpo.rows_or_none(ref_logprobs, rows),
+                                      advantages[rows], completion_mask[rows], expert_mask[rows], cfg,
+                                      (completion_mask, expert_mask), weights)
                 micro_loss.backward()  # gradients add up over the micro-batches
                 loss = loss + micro_loss.detach()
                 logprobs[rows] = micro_logprobs.detach()
@@ -305,233 +303,6 @@ def main(cfg: Config):
                                         "kl to reference": ["kl"], "completion length": ["completion_length"],
                                         "loss terms": ["usual/loss", "expert/sft_loss"]}, "MIX")
     return model
-
-
-# =============================================================================================
-# grpo.py's functions that MIX runs, letter for letter (tests/test_mix.py keeps them equal):
-# the reward functions, the group advantages, GRPO's loss and its metrics, steps 1 and 2.
-# =============================================================================================
-def correctness_reward(prompts, completions, answer, **kwargs) -> list[float]:
-    """+1 if the number inside <answer></answer> equals the dataset's (after '####'), else -1."""
-    return [1.0 if common.is_correct(completion, gold) else -1.0 for completion, gold in zip(completions, answer)]
-
-
-FORMAT = re.compile(r"^<think>.*?</think>\s*<answer>.*?</answer>$", re.DOTALL)
-
-
-def format_reward(prompts, completions, **kwargs) -> list[float]:
-    """+1.25 if the completion is exactly <think>...</think><answer>...</answer>, else -1."""
-    return [1.25 if FORMAT.match(completion.strip()) else -1.0 for completion in completions]
-
-
-REWARD_FUNCS = [correctness_reward, format_reward]
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: str = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
-    """A_i = (r_i - mean(r_group)) / (std + eps) for each completion i (note 004), where std is
-      'group': the std of the completion's own group (DeepSeekMath; the default, as TRL's);
-      'batch': the std of every raw reward of the step, on all processes (TRL's 'batch': group mean,
-               batch std, after Lite PPO, arXiv 2508.08221). REINFORCE++-baseline differs: it divides by
-               the std of the group-centred rewards (reinforce_pp_advantages);
-      'none':  no division at all (Dr. GRPO, Z. Liu et al. 2025). Divided by its std, every group with
-               any spread has the same sum of squared advantages, G - 1 (eps aside), whatever its success rate:
-               a prompt solved almost always or almost never weighs as much as a 50/50 one, i.e. its
-               r - mean is scaled up relative to the others'. Dr. GRPO calls that a difficulty bias.
-
-    rewards [B*G], the G completions of a prompt contiguous; std is the unbiased one (torch's
-    default, as TRL). The group mean is the baseline a critic would otherwise learn. A group
-    whose completions all score the same gives 0 advantage: no signal from that prompt."""
-    grouped = rewards.view(-1, group_size)  # [B, G]
-    mean = grouped.mean(dim=1, keepdim=True)
-    if scale_rewards == "group":
-        std = grouped.std(dim=1, keepdim=True)
-    elif scale_rewards == "batch":  # under torchrun: the mean and std of the whole global batch
-        count, total = common.global_sum(float(rewards.numel())), common.global_sum(rewards.sum())
-        std = (common.global_sum(((rewards - total / count) ** 2).sum()) / (count - 1)).sqrt()
-    elif scale_rewards == "none":
-        return (grouped - mean).view(-1)
-    else:
-        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
-    return ((grouped - mean) / (std + eps)).view(-1)  # [B*G]
-
-
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) (Schulman's 'Approximating KL divergence'; notes 002 / 004):
-
-        k3 = exp(ref - logp) - (ref - logp) - 1
-
-    >= 0 everywhere; its mean over tokens sampled from pi is an unbiased estimate of the KL. In the
-    loss (DeepSeekMath) its gradient is that of the forward KL(pi_ref || pi), not of KL(pi || pi_ref):
-    docs/grpo.md#where-the-kl-estimate-goes derives it, and TRL's correction. [N, T] -> [N, T]."""
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level="token") -> torch.Tensor:
-    """pi_theta / pi_old: per token, [N, T] (PPO, GRPO), or per completion, [N, 1] (GSPO, Zheng et
-    al. 2025): exp of the mean over the completion's tokens of log pi_theta - log pi_old, i.e. the
-    geometric mean of its token ratios; the sequence, not the token, is the unit the reward scored.
-    Padding must hold 0 in both log-prob tensors."""
-    log_ratio = logprobs - old_logprobs  # [N, T]
-    if importance_sampling_level == "sequence":
-        log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
-    elif importance_sampling_level != "token":
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}")
-    return torch.exp(log_ratio)
-
-
-def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high=None,
-                   importance_sampling_level="token", cispo=False, sampler_weights=None) -> torch.Tensor:
-    """The GRPO objective of notes 002 / 004 at each token, as a loss to minimise. Token t of completion i:
-
-        ratio = exp(logp - old_logp)            (pi_theta / pi_old; see importance_ratio)
-        l_it  = -( min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps_high) * A_i) - beta * k3_t )
-
-    eps_high = epsilon_high, or eps when it is None (DAPO's clip-higher). cispo (MiniMax-M1): no clip,
-    l_it = -min(ratio, epsilon_high).detach() * A_i * logp (+ the same KL term). old_logprobs None:
-    pi_old = pi (one update per batch), so the ratio is 1 and the gradient is -A_i grad logp.
-    sampler_weights [N, T] or [N, 1] (--vllm_importance_sampling_correction): w_it multiplies the policy term,
-    not the KL term, l_it = -w_it min(...) + beta k3_t (rollout.sampler_importance_weights: TIS).
-    logprobs, old_logprobs, ref_logprobs, mask: [N, T]; advantages: [N]; ref_logprobs may be None
-    when beta == 0. Returns [N, T], 0 at padding: junk there (even inf/nan) never reaches the value
-    or the gradient."""
-    mask = mask.bool()
-    logprobs = torch.where(mask, logprobs, 0.0)  # padding zeroed first
-    old_logprobs = logprobs.detach() if old_logprobs is None else torch.where(mask, old_logprobs, 0.0)
-    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
-    A = advantages.unsqueeze(1)  # [N, 1]
-    high = clip_eps if epsilon_high is None else epsilon_high
-    if cispo:  # a capped, detached weight on the plain policy gradient
-        per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
-    else:
-        per_token = -torch.min(ratio * A, torch.clamp(ratio, 1 - clip_eps, 1 + high) * A).expand_as(mask)  # [N, T]
-    if sampler_weights is not None:  # the tokens came from a sampler that is not this policy's pass
-        per_token = per_token * sampler_weights
-    if beta != 0:
-        per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
-    return torch.where(mask, per_token, 0.0)
-
-
-def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=None) -> torch.Tensor:
-    """The loss from the losses of the real tokens (per_token, mask [N, T]), by loss_type (TRL's names;
-    docs/grpo.md's table says what each weighs):
-      'grpo'    mean over each completion's tokens, then over completions (DeepSeekMath)
-      'bnpo'    one mean over this micro-batch's tokens
-      'dapo'    one mean over all the step's tokens (DAPO; = 'bnpo' for one micro-batch, one process);
-                'cispo' averages so too
-      'dr_grpo' the token sum / (completions x max_completion_length) (Dr. GRPO)
-    step_mask: the whole step's mask when these rows are one micro-batch of it (gradient accumulation):
-    its counts divide, so the micro-batches' losses and gradients add up to the step's ('bnpo' divides
-    by the number of micro-batches); under torchrun the tokens are those of every process."""
-    mask = mask.bool()
-    step_mask = mask if step_mask is None else step_mask
-    sequences = len(step_mask)
-    if loss_type == "grpo":
-        per_sequence = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [N]
-        return per_sequence.sum() / sequences
-    if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
-        return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
-    if loss_type in ("dapo", "cispo"):
-        return per_token.sum() / common.mean_denominator(step_mask)
-    if loss_type == "dr_grpo":
-        return per_token.sum() / (sequences * max_completion_length)
-    raise ValueError(f"unknown loss_type {loss_type!r}")
-
-
-def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type="grpo",
-              step_mask=None, epsilon_high=None, importance_sampling_level="token", max_completion_length=None,
-              sampler_weights=None):
-    """GRPO's loss to minimise: the objective at each token (per_token_loss), averaged by loss_type
-    (aggregate). The arguments are theirs."""
-    per_token = per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, epsilon_high,
-                               importance_sampling_level, loss_type == "cispo", sampler_weights)  # [N, T]
-    return aggregate(per_token, mask, loss_type, step_mask, max_completion_length)
-
-
-def masked_mean_per_sequence(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over each row's real tokens, then over rows: the logged kl weighs each completion alike, as
-    'grpo' weighs the loss (TRL 1.16 logs kl as one token mean over the global batch instead)."""
-    mask = mask.to(values.dtype)
-    return ((values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-
-
-def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_high=None,
-                  importance_sampling_level="token", loss_type="grpo") -> float:
-    """Fraction of real tokens whose ratio is clipped, i.e. that get no gradient this update; with
-    'cispo' (no token loses its gradient) the share whose weight was capped at epsilon_high, counted
-    where A > 0 as TRL 1.16's cispo_clip_ratio."""
-    ratio = importance_ratio(torch.where(mask.bool(), logprobs, 0.0), torch.where(mask.bool(), old_logprobs, 0.0),
-                             mask, importance_sampling_level)
-    A = advantages.unsqueeze(1)
-    high = clip_eps if epsilon_high is None else epsilon_high
-    if loss_type == "cispo":
-        clipped = (ratio > high) & (A > 0)
-    else:
-        clipped = ((ratio > 1 + high) & (A > 0)) | ((ratio < 1 - clip_eps) & (A < 0))
-    return (clipped & mask.bool()).sum().item() / mask.sum().item()
-
-
-@torch.no_grad()
-def step_metrics(rewards_per_func, completion_mask, logprobs, old_logprobs, ref_logprobs, advantages, cfg,
-                 entropy) -> dict:
-    """What a step logs besides its loss, with TRL 1.16's names where the quantity is the same
-    (completion_length is its completions/mean_length, clip_fraction its clip_ratio/region_mean,
-    entropy its entropy: the policy's -sum_v p(v) log p(v) at each position, a token mean; its kl is a
-    token mean over the batch, ours a mean per completion). rewards_per_func [B*G, F]; the rest
-    [B*G, T] or [B*G]; ref_logprobs None when beta is 0."""
-    rewards = rewards_per_func.sum(dim=1)  # [B*G]
-    group_std = rewards.view(-1, cfg.num_generations).std(dim=1)  # [B]
-    kl = kl_k3(logprobs, ref_logprobs) if ref_logprobs is not None else None  # [B*G, T]
-    return {
-        "reward": rewards.mean().item(),
-        "reward_std": group_std.mean().item(),  # within-group spread: the signal
-        "frac_reward_zero_std": (group_std == 0).float().mean().item(),  # groups with no reward signal (all A = 0)
-        **{f"rewards/{f.__name__}": rewards_per_func[:, i].mean().item() for i, f in enumerate(REWARD_FUNCS)},
-        "accuracy": (rewards_per_func[:, 0] > 0).float().mean().item(),  # column 0: correctness_reward
-        "kl": masked_mean_per_sequence(kl, completion_mask).item() if kl is not None else 0.0,
-        "completion_length": completion_mask.sum(dim=1).float().mean().item(),
-        "clip_fraction": clip_fraction(logprobs, old_logprobs, advantages, completion_mask, cfg.epsilon,
-                                       cfg.epsilon_high, cfg.importance_sampling_level, cfg.loss_type),
-        "entropy": ((entropy * completion_mask).sum() / completion_mask.sum().clamp(min=1)).item(),
-    }
-
-
-@dataclass
-class Rollout:
-    """Steps 1 and 2 for N rows (B prompts x G samples, groups contiguous): the text, the token ids
-    the passes read, and each reward function's reward."""
-    prompts: list[str]  # [N]
-    completions: list[str]  # [N], decoded
-    prompt_ids: torch.Tensor  # [N, P], left-padded
-    prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, T], right-padded
-    completion_mask: torch.Tensor  # [N, T]: 1 on the sampled tokens, the EOS included
-    sampler_logprobs: torch.Tensor  # [N, T]: each sampled token's log-prob as the sampler computed it, 0 after EOS
-    rewards_per_func: torch.Tensor  # [N, F]
-
-    def select(self, keep: list[bool]) -> "Rollout":
-        """The rows where keep is True."""
-        return Rollout([p for p, k in zip(self.prompts, keep) if k], [c for c, k in zip(self.completions, keep) if k],
-                       self.prompt_ids[keep], self.prompt_mask[keep], self.completion_ids[keep],
-                       self.completion_mask[keep], self.sampler_logprobs[keep], self.rewards_per_func[keep])
-
-
-def sample_and_score(model, tokenizer, step_data: dict, cfg) -> Rollout:
-    """Steps 1 and 2 for the B prompts of step_data ({column: [B values]}): G completions of each,
-    groups contiguous, then their rewards."""
-    G = cfg.num_generations
-    # 1. Rollout: G samples of each of B prompts, groups contiguous.
-    prompts = [common.make_prompt(tokenizer, q, cfg.system_prompt) for q in step_data["question"] for _ in range(G)]
-    prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs = rollout.generate(
-        model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature, return_logprobs=True
-    )  # [B*G, P], [B*G, P], [B*G, T], [B*G, T], [B*G, T]
-    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    # 2. Rewards: every dataset column is passed to the reward functions, repeated G times.
-    columns = {name: [value for value in values for _ in range(G)] for name, values in step_data.items()}
-    rewards_per_func = torch.tensor([f(prompts, completions, **columns) for f in REWARD_FUNCS]).T  # [B*G, F]
-    return Rollout(prompts, completions, prompt_ids, prompt_mask, completion_ids, completion_mask, sampler_logprobs,
-                   rewards_per_func)
 
 
 if __name__ == "__main__":

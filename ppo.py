@@ -392,7 +392,9 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
         old_values = rollout.inference(critic_values, critic, input_ids, attention_mask, T,
                                        micro_batches=micro_batches)  # [B, T]
 
-    sampler_weights = cfg.sampler_weights(old_logprobs, sampler_logprobs, mask)  # [B, T] or [B, 1]; None: no correction
+    sampler_weights = (rollout.sampler_importance_weights(  # TIS: w = pi_old / pi_sampler, bounded [B, T] or [B, 1]
+        old_logprobs, sampler_logprobs, mask, cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+        cfg.vllm_importance_sampling_clip_min) if cfg.vllm_importance_sampling_correction else None)
     with torch.no_grad():
         # 3. Per-token rewards: the KL to the reference, and the clipped score on the last token.
         rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]

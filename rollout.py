@@ -347,7 +347,9 @@ def sampler_mismatch(trainer_logprobs, sampler_logprobs, mask, sampler_weights=N
         sampling/kl                              mean of exp(d_t) - d_t - 1: the k3 estimate of
                                                  KL(pi_sampler || pi_train) (the tokens are the sampler's draws)
         sampling/importance_sampling_ratio/min, /mean, /max    the weights w the loss used, where it used
-                                                 them (sampler_weights [N, T] or [N, 1]; TRL's names)
+                                                 them (sampler_weights [N, T] or [N, 1]; TRL's names; under
+                                                 torchrun /min and /max are each process's, averaged, where
+                                                 TRL takes the min and the max over processes)
 
     0 where there is no real token (every process logs the same keys). On the CPU both are float32
     passes of the same weights, apart only by summation order; on a GPU the static cache samples from a

@@ -7,8 +7,8 @@ runs crash and recover). Each remedy changes one thing against it:
     base           grpo.py --num_iterations 4 --beta 0 --learning_rate 1e-4
     clip_higher    base with --epsilon_high 0.28 (DAPO)
     entropy_bonus  base with --entropy_coeff 0.02: the loss minus 0.02 x the token mean of the entropy
-    clip_cov       base with --loss_mode clip_cov --clip_cov_ratio 0.02 (Cui et al. 2025)
-    kl_cov         base with --loss_mode kl_cov --kl_cov_ratio 0.02 (Cui et al. 2025)
+    clip_cov       base as grpo_entropy.py --loss_mode clip_cov --clip_cov_ratio 0.02 (Cui et al. 2025)
+    kl_cov         base as grpo_entropy.py --loss_mode kl_cov --kl_cov_ratio 0.02 (Cui et al. 2025)
 
 Cui et al.'s ratios (2e-4 for Clip-Cov, 2e-3 or 2e-4 for KL-Cov) are for batches of millions of tokens; a
 step here has about 3,000, where 2e-4 picks one token, so both use 0.02 (about 60 tokens a step). Each arm
@@ -40,6 +40,7 @@ BASE = ["--num_iterations", "4", "--beta", "0", "--learning_rate", "1e-4"]
 ARMS = {"base": [], "clip_higher": ["--epsilon_high", "0.28"], "entropy_bonus": ["--entropy_coeff", "0.02"],
         "clip_cov": ["--loss_mode", "clip_cov", "--clip_cov_ratio", "0.02"],
         "kl_cov": ["--loss_mode", "kl_cov", "--kl_cov_ratio", "0.02"]}
+SCRIPTS = {"clip_cov": "grpo_entropy.py", "kl_cov": "grpo_entropy.py"}  # the others run grpo.py
 COLORS = {"base": "black", "clip_higher": "tab:orange", "entropy_bonus": "tab:red", "clip_cov": "tab:green",
           "kl_cov": "tab:blue", "sft": "tab:gray"}
 
@@ -67,8 +68,8 @@ def run(arm: str, seed: int) -> dict:
     bench, sft = syllabus(), f"{RUNS}/sft/{seed}"
     if not os.path.isfile(os.path.join(ROOT, sft, "eval.json")):
         raise SystemExit(f"error: no SFT model at {sft}: run `python benchmarks/syllabus.py --methods grpo` first")
-    folder = bench.train(f"{OUT}/{arm}/{seed}", ["grpo.py", "--model", sft, "--seed", str(seed), "--max_steps", "40",
-                                                 "--eval_steps", "20", *BASE, *ARMS[arm]])
+    folder = bench.train(f"{OUT}/{arm}/{seed}", [SCRIPTS.get(arm, "grpo.py"), "--model", sft, "--seed", str(seed),
+                                                 "--max_steps", "40", "--eval_steps", "20", *BASE, *ARMS[arm]])
     rows = bench.read_rows(folder)
     train = [row for row in rows if row["step"] > 0 and "entropy" in row]
     return {"seed": seed, "cost": bench.read_cost(folder), "entropy": [row["entropy"] for row in train],

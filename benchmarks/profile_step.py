@@ -144,9 +144,7 @@ def training_passes(model, ref_model, batch: dict, cfg, optimizer, named: bool =
         with part("loss"):
             micro_loss = grpo.grpo_loss(
                 micro_logprobs, micro_logprobs.detach(), ref_logprobs[rows] if ref_logprobs is not None else None,
-                b["advantages"][rows], b["loss_mask"][rows], clip_eps=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                beta=cfg.beta, loss_type=cfg.loss_type, importance_sampling_level=cfg.importance_sampling_level,
-                max_completion_length=cfg.max_completion_length, step_mask=b["loss_mask"])
+                b["advantages"][rows], b["loss_mask"][rows], cfg, step_mask=b["loss_mask"])
         with part("backward"):
             micro_loss.backward()
         logprobs[rows], loss = micro_logprobs.detach(), loss + micro_loss.detach()
@@ -493,8 +491,8 @@ def check(model, ref_model, batch, cfg, state: dict, context=contextlib.nullcont
         logprobs = rollout.completion_logprobs(model, b["input_ids"], b["attention_mask"], b["T"], cfg.temperature)
         import grpo
 
-        loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref, b["advantages"], b["loss_mask"], clip_eps=cfg.epsilon,
-                              beta=cfg.beta, step_mask=b["loss_mask"])
+        loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref, b["advantages"], b["loss_mask"],
+                              grpo.Config(epsilon=cfg.epsilon, beta=cfg.beta), step_mask=b["loss_mask"])
         loss.backward()
     grads = torch.cat([p.grad.flatten().float() for n, p in model.named_parameters() if n in state])
     mask = b["loss_mask"].bool()

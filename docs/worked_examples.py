@@ -138,8 +138,8 @@ def aggregation_example() -> str:
     rows = []
     for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
         logprobs = torch.zeros(2, 6, requires_grad=True)
-        loss = grpo.grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, 0.2, 0.0, loss_type,
-                              max_completion_length=8)
+        loss = grpo.grpo_loss(logprobs, logprobs.detach(), None, advantages, mask,
+                              grpo.Config(beta=0.0, loss_type=loss_type, max_completion_length=8))
         loss.backward()
         short, long = -logprobs.grad[0, 0].item(), -logprobs.grad[1, 0].item()
         rows.append([f"`{loss_type}`", f(loss.item()), f(short), f(long), f(2 * short), f(6 * long)])
@@ -164,7 +164,8 @@ def clip_cases() -> str:
         cells = [f"A {'> 0' if A > 0 else '< 0'}"]
         for ratio in (0.7, 1.0, 1.3):
             logprobs = torch.tensor([[math.log(ratio)]], requires_grad=True)
-            loss = grpo.grpo_loss(logprobs, torch.zeros(1, 1), None, torch.tensor([A]), torch.ones(1, 1), 0.2, 0.0)
+            loss = grpo.grpo_loss(logprobs, torch.zeros(1, 1), None, torch.tensor([A]), torch.ones(1, 1),
+                                  grpo.Config(beta=0.0))
             loss.backward()
             grad = logprobs.grad.item()
             cells.append("gradient" if grad != 0 else "**no gradient** (clipped)")

@@ -28,12 +28,13 @@ def _rollout(seed=0, B=8, T=7):
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_micro_batch_losses_add_up_to_the_step_loss_and_gradient(loss_type):
     logprobs, old, ref, advantages, mask = _rollout()
-    whole = grpo.grpo_loss(logprobs, old, ref, advantages, mask, 0.2, 0.04, loss_type)
+    whole = grpo.grpo_loss(logprobs, old, ref, advantages, mask, grpo.Config(beta=0.04, loss_type=loss_type))
     (expected,) = torch.autograd.grad(whole, logprobs)
     total, grad = 0.0, torch.zeros_like(logprobs)
     wrong_grad = torch.zeros_like(logprobs)  # each micro-batch normalised by its own counts: the classic mistake
     for rows in torch.arange(len(mask)).split(2):
-        args = (logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], 0.2, 0.04, loss_type)
+        args = (logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows],
+                grpo.Config(beta=0.04, loss_type=loss_type))
         micro = grpo.grpo_loss(*args, step_mask=mask)  # divided by the whole step's counts
         total = total + micro.detach()
         grad += torch.autograd.grad(micro, logprobs, retain_graph=True)[0]
@@ -51,12 +52,13 @@ def test_mix_micro_batches_add_up_to_the_step_loss(loss_type):
     one-pass loss (1 - mu) * grpo(usual rows) + mu * sft(expert rows), and so do the gradients."""
     logprobs, old, ref, advantages, mask = _rollout()
     expert_mask = torch.tensor([False, False, False, False, False, True, True, True])
-    whole = mix.mix_loss(logprobs, old, ref, advantages, mask, expert_mask, 0.3, 0.2, 0.04, loss_type)
+    cfg = mix.Config(mu=0.3, beta=0.04, loss_type=loss_type)
+    whole = mix.mix_loss(logprobs, old, ref, advantages, mask, expert_mask, cfg)
     (expected,) = torch.autograd.grad(whole, logprobs)
     total, grad = 0.0, torch.zeros_like(logprobs)
     for rows in torch.arange(len(mask)).split(3):  # usual | usual + expert | expert
         micro = mix.mix_loss(logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], expert_mask[rows],
-                             0.3, 0.2, 0.04, loss_type, (mask, expert_mask))
+                             cfg, (mask, expert_mask))
         total = total + micro.detach()
         grad += torch.autograd.grad(micro, logprobs)[0]
     terms = int(mask.sum())

@@ -235,8 +235,8 @@ def test_the_loss_and_its_gradient_ignore_the_calculators_tokens():
             change = lambda x: torch.where(reply_mask.bool(), torch.randn(N, T, generator=noise) * 5, x)  # noqa: E731
             logprobs = change(old + 0.1 * torch.randn(N, T, generator=torch.Generator().manual_seed(0)))
             logprobs.requires_grad_(True)
-            loss = grpo.grpo_loss(logprobs, change(old), change(ref), advantages, policy_mask, 0.2, 0.04, loss_type,
-                                  max_completion_length=T)
+            loss = grpo.grpo_loss(logprobs, change(old), change(ref), advantages, policy_mask,
+                                  grpo.Config(beta=0.04, loss_type=loss_type, max_completion_length=T))
             loss.backward()
             losses.append(loss.item())
             grads.append(logprobs.grad)
@@ -257,7 +257,8 @@ def test_no_gradient_reaches_the_logits_that_predict_the_calculators_tokens(save
     logits.retain_grad()
     logprobs = rollout.gather_logprobs(logits[:, -T - 1 : -1], episodes.completion_ids)  # [1, T]
     policy_mask = agent.action_mask(episodes.completion_mask, episodes.reply_mask)
-    grpo.grpo_loss(logprobs, None, logprobs.detach() - 0.1, torch.tensor([1.0]), policy_mask, 0.2, 0.04).backward()
+    grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach() - 0.1, torch.tensor([1.0]), policy_mask,
+                   grpo.Config(beta=0.04)).backward()
     grad = logits.grad[0, -T - 1 : -1].abs().sum(dim=-1)  # [T]: at the position predicting each completion token
     assert (grad[episodes.reply_mask[0].bool()] == 0).all() and (grad[policy_mask[0].bool()] > 0).all()
 

@@ -1,10 +1,11 @@
-"""grpo.py's remedies for a collapsing entropy: Clip-Cov and KL-Cov (Cui et al. 2025) against a hand computation and
-verl's code, and the entropy bonus."""
+"""Remedies for a collapsing entropy: grpo_entropy.py's Clip-Cov and KL-Cov (Cui et al. 2025) against a hand
+computation and verl's code, and grpo.py's entropy bonus."""
 import pytest
 import torch
 
 import common
 import grpo
+import grpo_entropy
 import rollout
 from floats import assert_close
 
@@ -16,16 +17,16 @@ COV = [[0.8, -1.1], [-0.4, 0.1]]  # (+1)(0.8), (+1)(-1.1), (-1)(0.4), (-1)(-0.1)
 
 
 def test_token_covariance_by_hand():
-    assert_close(grpo.token_covariance(LOGP, ADV, torch.ones(2, 2)), COV, terms=8)
-    padded = grpo.token_covariance(LOGP, ADV, torch.tensor([[1, 1], [1, 0]]))
+    assert_close(grpo_entropy.token_covariance(LOGP, ADV, torch.ones(2, 2)), COV, terms=8)
+    padded = grpo_entropy.token_covariance(LOGP, ADV, torch.tensor([[1, 1], [1, 0]]))
     assert padded[1, 1] == float("-inf")  # padding: never picked
 
 
 def test_kl_cov_picks_the_tokens_of_highest_covariance():
     """ratio 0.5 of 4 tokens: the 2 of highest covariance, 0.8 and 0.1."""
-    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 0.5)
+    picked = grpo_entropy.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 0.5)
     assert picked.tolist() == [[True, False], [False, True]]
-    one = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 1e-4)
+    one = grpo_entropy.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "kl_cov", 1e-4)
     assert one.tolist() == [[True, False], [False, False]]  # at least one token, however small the ratio
 
 
@@ -34,7 +35,8 @@ def test_clip_cov_picks_at_random_inside_the_bounds():
     seen = set()
     for seed in range(20):
         torch.manual_seed(seed)
-        picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25, (0.05, 1.0))
+        picked = grpo_entropy.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25,
+                                                (0.05, 1.0))
         assert picked.sum() == 1 and (picked[0, 0] or picked[1, 1])
         seen.add(tuple(picked.flatten().tolist()))
     assert len(seen) == 2  # both candidates get drawn
@@ -44,7 +46,8 @@ def test_kl_cov_loss_by_hand():
     """Token (0, 0) has the top covariance and ratio exp(0.4) = 1.4918, outside the clip: KL-Cov clips nothing, so
     its loss is -A ratio + coef |log ratio| = -1.4918 + 1.0 x 0.4 = -1.0918; the others -A ratio."""
     old = LOGP - torch.tensor([[0.4, 0.0], [0.1, -0.2]])
-    loss = grpo.cov_per_token_loss(LOGP, old, None, ADV, torch.ones(2, 2), 0.2, 0.0, None, "kl_cov", 0.25, coef=1.0)
+    cfg = grpo_entropy.Config(loss_mode="kl_cov", kl_cov_ratio=0.25, ppo_kl_coef=1.0, beta=0.0)
+    loss = grpo_entropy.cov_per_token_loss(LOGP, old, None, ADV, torch.ones(2, 2), cfg)
     ratio = torch.exp(LOGP - old)
     expected = [[-ratio[0, 0] + 0.4, -ratio[0, 1]], [ratio[1, 0], ratio[1, 1]]]
     assert_close(loss, expected, terms=10)
@@ -56,13 +59,14 @@ def test_clip_cov_zeroes_the_picked_tokens_value_and_gradient():
     torch.manual_seed(0)
     logp = LOGP.clone().requires_grad_(True)
     torch.manual_seed(5)
-    loss = grpo.cov_per_token_loss(logp, None, None, ADV, torch.ones(2, 2), 0.2, 0.0, None, "clip_cov", 0.25,
-                                   (0.05, 1.0))
+    cfg = grpo_entropy.Config(loss_mode="clip_cov", clip_cov_ratio=0.25, clip_cov_lb=0.05, clip_cov_ub=1.0, beta=0.0)
+    loss = grpo_entropy.cov_per_token_loss(logp, logp.detach(), None, ADV, torch.ones(2, 2), cfg)
     torch.manual_seed(5)
-    picked = grpo.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25, (0.05, 1.0))
+    picked = grpo_entropy.covariance_tokens(LOGP, ADV, torch.ones(2, 2, dtype=torch.bool), "clip_cov", 0.25,
+                                            (0.05, 1.0))
     loss.sum().backward()
     vanilla = LOGP.clone().requires_grad_(True)
-    plain = grpo.per_token_loss(vanilla, None, None, ADV, torch.ones(2, 2), 0.2, 0.0)
+    plain = grpo.per_token_loss(vanilla, vanilla.detach(), None, ADV, torch.ones(2, 2), 0.2, 0.0)
     plain.sum().backward()
     assert (loss[picked] == 0).all() and (logp.grad[picked] == 0).all()
     assert torch.equal(loss[~picked], plain[~picked]) and torch.equal(logp.grad[~picked], vanilla.grad[~picked])
@@ -127,12 +131,14 @@ def test_both_remedies_equal_verls_code(seed):
     old = logp + torch.randn(N, T) * 0.3
     adv = torch.randn(N)
     adv_tokens = adv.unsqueeze(1).expand(N, T).clone()
-    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, "kl_cov", 0.08, coef=1.0)
+    cfg = grpo_entropy.Config(loss_mode="kl_cov", kl_cov_ratio=0.08, ppo_kl_coef=1.0, beta=0.0)
+    ours = grpo_entropy.cov_per_token_loss(logp, old, None, adv, mask, cfg)
     theirs = verl_kl_cov(torch.where(mask.bool(), old, 0.0), torch.where(mask.bool(), logp, 0.0), adv_tokens, mask,
                          0.08, 1.0)
     assert_close(ours[mask.bool()], theirs[mask.bool()], terms=N * T)
     torch.manual_seed(100 + seed)
-    ours = grpo.cov_per_token_loss(logp, old, None, adv, mask, 0.2, 0.0, None, "clip_cov", 0.08, (0.1, 5.0))
+    cfg = grpo_entropy.Config(loss_mode="clip_cov", clip_cov_ratio=0.08, clip_cov_lb=0.1, clip_cov_ub=5.0, beta=0.0)
+    ours = grpo_entropy.cov_per_token_loss(logp, old, None, adv, mask, cfg)
     torch.manual_seed(100 + seed)
     theirs = verl_clip_cov(torch.where(mask.bool(), old, 0.0), torch.where(mask.bool(), logp, 0.0), adv_tokens, mask,
                            0.2, 0.08, 0.1, 5.0)
@@ -140,18 +146,28 @@ def test_both_remedies_equal_verls_code(seed):
     assert (ours[mask.bool()] == 0).sum() >= int(0.08 * mask.sum())  # the picked tokens are there
 
 
+def entropy_bonus_loss(logp, old, adv, mask, entropy, cfg):
+    """main()'s loss line in grpo.py: grpo_loss minus entropy_coeff x the entropy averaged as the token losses are."""
+    return (grpo.grpo_loss(logp, old, None, adv, mask, cfg, mask)
+            - cfg.entropy_coeff * grpo.aggregate(torch.where(mask.bool(), entropy, 0.0), mask, cfg.loss_type, mask,
+                                                 cfg.max_completion_length))
+
+
 def test_the_entropy_bonus_subtracts_the_averaged_entropy():
-    """step_loss = grpo_loss - entropy_coeff x the entropy averaged as the token losses are, for each loss_type;
-    at the defaults (no remedy) it is grpo_loss itself, to the bit."""
+    """main's loss line is grpo_loss - entropy_coeff x the entropy averaged as the token losses are, for each
+    loss_type; at the default entropy_coeff 0 it is grpo_loss itself, to the bit."""
+    import inspect
+    assert "- cfg.entropy_coeff * aggregate(torch.where(loss_mask[rows].bool(), micro_entropy, 0.0)" in " ".join(
+        inspect.getsource(grpo.main).split())
     torch.manual_seed(3)
     logp, entropy, mask = -torch.rand(4, 6), torch.rand(4, 6), (torch.rand(4, 6) > 0.2).float()
     adv = torch.randn(4)
     for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
         cfg = grpo.Config(loss_type=loss_type, max_completion_length=6, beta=0.0)
-        base = grpo.grpo_loss(logp, None, None, adv, mask, 0.2, 0.0, loss_type, max_completion_length=6)
-        assert torch.equal(grpo.step_loss(logp, None, None, adv, mask, mask, entropy, cfg), base)
+        base = grpo.grpo_loss(logp, logp.detach(), None, adv, mask, cfg)
+        assert torch.equal(entropy_bonus_loss(logp, logp.detach(), adv, mask, entropy, cfg), base)
         cfg.entropy_coeff = 0.3
-        bonus = grpo.step_loss(logp, None, None, adv, mask, mask, entropy, cfg)
+        bonus = entropy_bonus_loss(logp, logp.detach(), adv, mask, entropy, cfg)
         averaged = grpo.aggregate(torch.where(mask.bool(), entropy, 0.0), mask, loss_type, max_completion_length=6)
         assert_close(bonus, base - 0.3 * averaged, terms=24 * 4)
 
@@ -169,8 +185,8 @@ def test_a_step_on_the_bonus_raises_the_policys_entropy(saved_tiny):
     entropies = []
     for _ in range(3):
         logp, entropy = rollout.completion_logprobs_and_entropy(model, input_ids, mask, 6, entropy_grad=True)
-        loss = grpo.step_loss(logp, None, None, torch.zeros(4), mask[:, -6:], mask[:, -6:], entropy,
-                              grpo.Config(entropy_coeff=1.0, beta=0.0))
+        loss = entropy_bonus_loss(logp, logp.detach(), torch.zeros(4), mask[:, -6:], entropy,
+                                  grpo.Config(entropy_coeff=1.0, beta=0.0))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -189,5 +205,5 @@ def test_settings_that_cannot_act_are_refused(args, words, capsys):
     import checks
 
     with pytest.raises(SystemExit) as stop:
-        checks.check_settings(common.parse_config(grpo.Config, args))
+        checks.check_settings(common.parse_config(grpo_entropy.Config, args))
     assert words in str(stop.value.code) + capsys.readouterr().err

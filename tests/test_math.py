@@ -121,7 +121,7 @@ def test_grpo_loss_ratio_one_hand_computed():
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss = grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, clip_eps=0.2, beta=0.0)
+    loss = grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, grpo.Config(beta=0.0))
     # ratio = 1: per-token loss -A; row means: -2 and +1; mean over rows -0.5
     assert loss.item() == approx(-0.5)
     loss.backward()
@@ -133,7 +133,7 @@ def test_grpo_loss_dapo_is_a_token_mean():
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
     advantages = torch.tensor([2.0, -1.0])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss = grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, 0.2, 0.0, loss_type="dapo")
+    loss = grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, grpo.Config(beta=0.0, loss_type="dapo"))
     assert loss.item() == approx((-2 - 2 + 1) / 3)
     loss.backward()
     assert_close(logprobs.grad, [[-2 / 3, -2 / 3], [1 / 3, 0.0]], terms=8)
@@ -144,7 +144,7 @@ def test_ratio_one_and_beta_zero_is_the_policy_gradient():
     logprobs = torch.randn(4, 6, requires_grad=True)
     advantages, mask = torch.randn(4), (torch.rand(4, 6) > 0.3).long()
     mask[:, 0] = 1
-    grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, 0.2, 0.0).backward()
+    grpo_loss(logprobs, logprobs.detach(), None, advantages, mask, grpo.Config(beta=0.0)).backward()
     pg = logprobs.detach().clone().requires_grad_(True)
     n = mask.sum(dim=1, keepdim=True)
     (-(advantages[:, None] * pg * mask / n).sum(dim=1).mean()).backward()  # -A * logp, same aggregation
@@ -156,12 +156,12 @@ def test_clipped_term_has_no_gradient_outside_trust_region():
     # value -1.2, zero gradient. With A < 0 the unclipped branch is the min: gradient flows.
     old = torch.tensor([[0.0]])
     logp_pos = torch.tensor([[0.5]], requires_grad=True)
-    loss = grpo_loss(logp_pos, old, None, torch.tensor([1.0]), torch.tensor([[1]]), 0.2, 0.0)
+    loss = grpo_loss(logp_pos, old, None, torch.tensor([1.0]), torch.tensor([[1]]), grpo.Config(beta=0.0))
     assert loss.item() == approx(-1.2)
     loss.backward()
     assert logp_pos.grad.item() == 0.0
     logp_neg = torch.tensor([[0.5]], requires_grad=True)
-    loss = grpo_loss(logp_neg, old, None, torch.tensor([-1.0]), torch.tensor([[1]]), 0.2, 0.0)
+    loss = grpo_loss(logp_neg, old, None, torch.tensor([-1.0]), torch.tensor([[1]]), grpo.Config(beta=0.0))
     assert loss.item() == approx(math.exp(0.5))
     loss.backward()
     assert logp_neg.grad.item() == approx(math.exp(0.5))  # d(ratio)/d(logp) = ratio
@@ -170,7 +170,7 @@ def test_clipped_term_has_no_gradient_outside_trust_region():
 def test_grpo_loss_kl_term_hand_computed():
     logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
     ref = torch.tensor([[math.log(0.25)]])
-    loss = grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.tensor([[1]]), 0.2, beta=0.1)
+    loss = grpo_loss(logp, logp.detach(), ref, torch.tensor([0.0]), torch.tensor([[1]]), grpo.Config(beta=0.1))
     assert loss.item() == approx(0.1 * (0.5 - math.log(0.5) - 1))
     loss.backward()
     assert logp.grad.item() == approx(0.1 * (1 - 0.5))
@@ -188,7 +188,7 @@ def test_padding_junk_does_not_leak_into_value_or_gradient():
     for values in (clean, junk):
         logprobs = values.clone().requires_grad_(True)
         old, ref_junk = values - 0.1, torch.where(mask.bool(), ref, float("nan"))
-        loss = grpo_loss(logprobs, old, ref_junk, advantages, mask, 0.2, 0.04)
+        loss = grpo_loss(logprobs, old, ref_junk, advantages, mask, grpo.Config(beta=0.04))
         loss.backward()
         results.append((loss.detach(), logprobs.grad))
     assert torch.isfinite(results[1][0])
@@ -206,7 +206,7 @@ def test_clip_fraction_counts_only_active_clips():
 
 def test_a_later_iteration_ratio_clip_loss_and_logged_clip_fraction_by_hand():
     """--num_iterations 2: the second update's pi has moved from pi_old (old_logprobs, computed once before the
-    updates), so the ratio is not 1 and the clip acts. grpo.step_loss (main's call), importance_ratio, the gradient
+    updates), so the ratio is not 1 and the clip acts. grpo.grpo_loss (main's call), importance_ratio, the gradient
     and step_log's logged loss and clip_fraction, by hand. Ratios pi / pi_old:
         row 0, A = +1:  1.5 (above 1.2: clipped, loss -1.2, no gradient), 0.9 (-0.9), 1.1 (-1.1)
         row 1, A = -2:  0.5 (below 0.8: clipped, min(-1.0, -1.6) = -1.6, loss +1.6, no gradient),
@@ -225,7 +225,7 @@ def test_a_later_iteration_ratio_clip_loss_and_logged_clip_fraction_by_hand():
     # each ratio: exp of a float32 difference of log-probs up to 2.4 in size, exp accurate to an ulp: 4 roundings
     assert grpo.importance_ratio(*zeroed, mask).tolist() == [approx([1.5, 0.9, 1.1], scale=1.5 * 2.4),
                                                              approx([0.5, 1.5, 1.0], scale=1.5 * 2.4)]
-    loss = grpo.step_loss(logprobs, old, None, A, mask, mask, None, cfg)
+    loss = grpo.grpo_loss(logprobs, old, None, A, mask, cfg, mask)
     # the loss: 5 token terms, each a ratio (above) times |A| <= 2, two means: ~12 roundings at scale 3 x 2.4
     assert loss.item() == approx(0.6166667, terms=12, scale=3.0 * 2.4)
     loss.backward()

@@ -124,17 +124,55 @@ WEIGHT_TERMS, WEIGHT_SCALE = 6, 6.0 * 3.1
 
 @pytest.mark.parametrize("mode, clip_min", list(HAND_WEIGHTS))
 def test_importance_weights_far_from_one_by_hand_in_every_mode(mode, clip_min):
-    """rollout.sampler_importance_weights, and the weights a run at these settings takes (its Config's
-    sampler_weights: the mode, the cap and the floor as set), equal the hand table above."""
+    """rollout.sampler_importance_weights, as the losses call it (the mode, the cap and the floor as set), equals
+    the hand table above."""
     expected = HAND_WEIGHTS[(mode, clip_min)]
     weights = rollout.sampler_importance_weights(RHO_TRAINER, RHO_SAMPLER, RHO_MASK, mode, 3.0, clip_min)
     assert_close(weights, expected, terms=WEIGHT_TERMS, scale=WEIGHT_SCALE, msg=mode)
-    for config in (grpo.Config, ppo.Config):
-        cfg = config(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
-                     vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=clip_min)
-        cfg.check_together()
-        assert_close(cfg.sampler_weights(RHO_TRAINER, RHO_SAMPLER, RHO_MASK), expected, terms=WEIGHT_TERMS,
-                     scale=WEIGHT_SCALE, msg=f"{config.__module__} {mode}")
+    cfg = grpo.Config(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                      vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=clip_min)
+    cfg.check_together()
+    assert_close(sampler_weights(RHO_TRAINER, RHO_SAMPLER, RHO_MASK, cfg), expected, terms=WEIGHT_TERMS,
+                 scale=WEIGHT_SCALE, msg=mode)
+
+
+def sampler_weights(trainer_logprobs, sampler_logprobs, mask, cfg):
+    """The weights' line of the scripts' loops: w at cfg's settings, None with the correction off."""
+    return (rollout.sampler_importance_weights(trainer_logprobs, sampler_logprobs, mask,
+                                               cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_max,
+                                               cfg.vllm_importance_sampling_clip_min)
+            if cfg.vllm_importance_sampling_correction else None)
+
+
+def grpo_step_loss(logprobs, old_logprobs, ref_logprobs, A, mask, cfg, sampler_logprobs):
+    """grpo.py main()'s loss lines on one micro-batch: pi_old (old_logprobs, or pi itself at one update per batch),
+    the sampler's weights from it, grpo_loss."""
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    return grpo.grpo_loss(logprobs, old, ref_logprobs, A, mask, cfg, mask,
+                          sampler_weights(old, sampler_logprobs, mask, cfg))
+
+
+@pytest.mark.parametrize("script, function, arguments", [
+    ("grpo", "main", ["micro_old", "batch.sampler_logprobs[rows]", "loss_mask[rows]"]),
+    ("grpo", "step_log", ["old", "batch.sampler_logprobs", "batch.completion_mask"]),
+    ("mix", "main", ["micro_old", "sampler_logprobs[rows]", "completion_mask[rows]"]),
+    ("agent", "main", ["micro_old", "episodes.sampler_logprobs[rows]", "policy_mask[rows]"]),
+    ("agent", "step_log", ["old", "episodes.sampler_logprobs", "policy_mask"]),
+    ("ppo", "make_experience", ["old_logprobs", "sampler_logprobs", "mask"]),
+])
+def test_the_loops_call_the_weights_at_their_settings(script, function, arguments):
+    """Each script computes w from pi_old by the trainer, at the run's mode, cap and floor, as sampler_weights
+    above: rollout.sampler_importance_weights(...) if --vllm_importance_sampling_correction else None."""
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(getattr(__import__(script), function)))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.IfExp) and isinstance(node.body, ast.Call)
+             and ast.unparse(node.body.func) == "rollout.sampler_importance_weights"]
+    assert len(calls) == 1, script
+    assert ast.unparse(calls[0].test) == "cfg.vllm_importance_sampling_correction"
+    assert ast.unparse(calls[0].orelse) == "None"
+    assert [ast.unparse(a) for a in calls[0].body.args] == arguments + [
+        f"cfg.vllm_importance_sampling_{name}" for name in ("mode", "clip_max", "clip_min")]
 
 
 # grpo.py's loss with the correction, one update per batch (ratio 1), beta 0, 'dapo' (one mean over the 9 tokens),
@@ -149,15 +187,16 @@ HAND_LOSSES = {
 
 @pytest.mark.parametrize("mode", list(HAND_LOSSES))
 def test_grpos_step_loss_and_gradient_take_the_weights_of_every_mode(mode):
-    """grpo.step_loss with --vllm_importance_sampling_correction (pi_old: the trainer's pass itself, one update per
-    batch) on the table's log-probs: its value is HAND_LOSSES's, and its gradient -w_it A_i / 9 (the weight is
-    detached: it scales the policy gradient, it has none of its own); padding gets none."""
+    """grpo.py's loss lines (grpo_step_loss) with --vllm_importance_sampling_correction (pi_old: the trainer's pass
+    itself, one update per batch) on the table's log-probs: its value is HAND_LOSSES's, and its gradient
+    -w_it A_i / 9 (the weight is detached: it scales the policy gradient, it has none of its own); padding gets
+    none."""
     cfg = grpo.Config(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
                       vllm_importance_sampling_clip_min=0.4, beta=0.0, loss_type="dapo")
     cfg.check_together()
     logprobs = RHO_TRAINER.clone().requires_grad_(True)
     A = torch.tensor([1.0, -2.0, 0.5])
-    loss = grpo.step_loss(logprobs, None, None, A, RHO_MASK, RHO_MASK, None, cfg, RHO_SAMPLER)
+    loss = grpo_step_loss(logprobs, None, None, A, RHO_MASK, cfg, RHO_SAMPLER)
     # 9 terms of size <= 2 x 3 (|A| w), each weight within the tolerance above: 9 x that bound
     assert loss.item() == approx(HAND_LOSSES[mode], terms=9 * WEIGHT_TERMS, scale=2 * WEIGHT_SCALE)
     loss.backward()
@@ -170,7 +209,7 @@ def test_a_weight_per_completion_weighs_each_of_its_tokens():
     """The sequence modes give w [N, 1]: it scales every token of its row, in GRPO's and PPO's losses."""
     logprobs, mask = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]]), torch.ones(2, 2)
     A, w = torch.tensor([1.0, -1.0]), torch.tensor([[2.0], [0.0]])
-    assert grpo.per_token_loss(logprobs, None, None, A, mask, 0.2, 0.0, sampler_weights=w).tolist() == [
+    assert grpo.per_token_loss(logprobs, logprobs, None, A, mask, 0.2, 0.0, sampler_weights=w).tolist() == [
         approx([-2.0, -2.0]), [0.0, 0.0]]
     token_A = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
     assert ppo.ppo_actor_loss(logprobs, logprobs, token_A, mask, 0.2, sampler_weights=w).item() == approx(-4.0 / 4)
@@ -182,7 +221,7 @@ def test_grpo_weighs_the_policy_term_not_the_kl():
     logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -2.0]])
     mask, A, w = torch.ones(1, 2), torch.tensor([2.0]), torch.tensor([[3.0, 0.5]])
-    loss = grpo.per_token_loss(logprobs, None, ref, A, mask, 0.2, 0.1, sampler_weights=w)
+    loss = grpo.per_token_loss(logprobs, logprobs.detach(), ref, A, mask, 0.2, 0.1, sampler_weights=w)
     k3 = math.exp(-0.5) + 0.5 - 1  # exp(ref - logp) - (ref - logp) - 1 at the first token; 0 at the second
     assert loss.tolist() == [approx([-3.0 * 2.0 + 0.1 * k3, -0.5 * 2.0], scale=6.0)]
     loss.sum().backward()
@@ -204,18 +243,18 @@ def correction_config(**changes):
 
 
 def test_an_exact_sampler_leaves_grpos_loss_as_it_was():
-    """With the sampler's log-probs equal to the trainer's the weights are exactly 1: step_loss with the
-    correction on is step_loss with it off, bit for bit; a sampler that gave the tokens less probability
+    """With the sampler's log-probs equal to the trainer's the weights are exactly 1: the loss with the
+    correction on is the loss with it off, bit for bit; a sampler that gave the tokens less probability
     raises the loss's weight on them."""
     torch.manual_seed(0)
     logprobs = -torch.rand(4, 5)
     ref, mask, A = -torch.rand(4, 5), torch.ones(4, 5), torch.tensor([1.0, -1.0, 0.5, -0.5])
-    off = grpo.step_loss(logprobs, None, ref, A, mask, mask, None, grpo.Config(beta=0.04))
-    on = grpo.step_loss(logprobs, None, ref, A, mask, mask, None, correction_config(), logprobs.clone())
+    off = grpo_step_loss(logprobs, None, ref, A, mask, grpo.Config(beta=0.04), None)
+    on = grpo_step_loss(logprobs, None, ref, A, mask, correction_config(), logprobs.clone())
     assert torch.equal(on, off)
-    lower = grpo.step_loss(logprobs, None, ref, A[:1].expand(4), mask, mask, None, correction_config(),
+    lower = grpo_step_loss(logprobs, None, ref, A[:1].expand(4), mask, correction_config(),
                            logprobs - 0.5)  # rho = e^0.5 on every token, under the cap 3
-    same = grpo.step_loss(logprobs, None, ref, A[:1].expand(4), mask, mask, None, grpo.Config(beta=0.04))
+    same = grpo_step_loss(logprobs, None, ref, A[:1].expand(4), mask, grpo.Config(beta=0.04), None)
     kl = grpo.aggregate(0.04 * grpo.kl_k3(logprobs, ref), mask, "grpo")
     # terms: the 20 tokens' sum in aggregate, each weight exp(d) rounded once more than e^0.5 (d a float32
     # difference of numbers below 1.5), and the subtraction of kl
@@ -228,11 +267,9 @@ def test_with_several_updates_the_weights_read_old_logprobs():
     logprobs, ref, mask = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
     old, A = torch.tensor([[-1.2, -1.9]]), torch.tensor([1.0])
     cfg = correction_config(num_iterations=2)
-    loss = grpo.step_loss(logprobs, old, ref, A, mask, mask, None, cfg, sampler_logprobs=old - 0.5)  # w = e^0.5
-    plain = grpo.step_loss(logprobs, old, ref, A, mask, mask, None, grpo.Config(beta=0.04, num_iterations=2))
+    loss = grpo_step_loss(logprobs, old, ref, A, mask, cfg, old - 0.5)  # w = e^0.5
+    plain = grpo_step_loss(logprobs, old, ref, A, mask, grpo.Config(beta=0.04, num_iterations=2), None)
     assert loss.item() == approx(math.exp(0.5) * plain.item(), terms=8)
-    with pytest.raises(ValueError):  # the correction without the sampler's log-probs: one sentence
-        grpo.step_loss(logprobs, old, ref, A, mask, mask, None, cfg)
 
 
 def test_the_corrections_settings_are_checked_together():
@@ -247,7 +284,7 @@ def test_the_corrections_settings_are_checked_together():
         with pytest.raises(SystemExit):
             check_settings(grpo.Config(vllm_importance_sampling_correction=True, **bad))
     check_settings(grpo.Config(vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_min=0.5))
-    assert grpo.Config().sampler_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)) is None
+    assert sampler_weights(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), grpo.Config()) is None
     for script in ("ppo", "grpo", "mix", "agent"):
         assert issubclass(__import__(script).Config, harness.PolicyGradientConfig), script
 

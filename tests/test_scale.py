@@ -307,7 +307,8 @@ def test_lora_step_trains_the_adapter_only_and_disabling_it_gives_the_base_model
     advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
     with common.reference_model(model, None) as reference:
         ref_logprobs = rollout.completion_logprobs(reference, input_ids, attention_mask, T)
-    loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, completion_mask, 0.2, 0.04)
+    loss = grpo.grpo_loss(logprobs, logprobs.detach(), ref_logprobs, advantages, completion_mask,
+                          grpo.Config(beta=0.04))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     loss.backward()

@@ -128,7 +128,8 @@ def test_grpo_step_changes_weights():
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     logprobs = rollout.completion_logprobs(model, input_ids, attention_mask, completion_ids.shape[1])
     advantages = grpo.group_advantages(torch.tensor([1.0, -1.0, 0.5, 2.0]), group_size=4)
-    loss = grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, completion_mask, 0.2, 0.04)
+    loss = grpo.grpo_loss(logprobs, logprobs.detach(), logprobs.detach(), advantages, completion_mask,
+                          grpo.Config(beta=0.04))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss.backward()

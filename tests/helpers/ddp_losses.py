@@ -35,8 +35,10 @@ expert = torch.tensor([False, True, False, True])  # MIX: one expert row on each
 share = slice(rank * len(lengths) // world_size, (rank + 1) * len(lengths) // world_size)
 losses = {
     "sft": lambda lp, m, a: sft.sft_loss(lp, m),
-    "grpo_dapo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "dapo"),
-    "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m, 0.2, 0.04, "grpo"),
+    "grpo_dapo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m,
+                                                 grpo.Config(beta=0.04, loss_type="dapo")),
+    "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m,
+                                                 grpo.Config(beta=0.04, loss_type="grpo")),
     "ppo_actor": lambda lp, m, a: ppo.ppo_actor_loss(lp, lp.detach() + 0.1, a[:, None].expand_as(lp), m, 0.2),
     "mix_dapo": lambda lp, m, a: mix.mix_loss(lp, lp.detach(), None, a, m, expert[share], 0.5, 0.2, 0.0, "dapo"),
     "dapo_local_mean": lambda lp, m, a: (-a[:, None] * lp * m).sum() / m.sum(),  # wrong under torchrun, on purpose
