@@ -56,8 +56,9 @@ from common import setting
 from data.make_data import problem_kind
 
 KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind
-# The most a completion may pay for its calls. Rewards are float32: at 1e6 its spacing is 1/16 of a point, and at
-# 2^24 (1.7e7) 2 points, so beside a larger price the answer's and the format's points would be rounded away.
+# The most a completion may pay for its calls. Rewards and advantages are float32: the points (multiples of 1/4)
+# stay exact up to 2^22, but the group's mean and standard deviation lose about 0.02 of an advantage at 1e6, and
+# more above it; at 2^24 (1.7e7) float32's spacing is 2 points, and the answer's point is gone.
 MAX_PRICE = 1e6
 
 
@@ -69,8 +70,8 @@ class Config(grpo.Config):
     (0: every call refused, GRPO without the calculator)"""
     tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """reward taken off per call (refused calls too): the price of asking. A completion makes at most one call per
-    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e6: the rewards are
-    float32, and beside a larger price their answer and format points would be lost to rounding"""
+    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e6: rewards and
+    advantages are float32, and beside a larger price the answer's and format's points are lost to rounding"""
     model: str = "out/sft_tool"
     output_dir: str = "out/agent"
 
@@ -82,9 +83,8 @@ class Config(grpo.Config):
         if most_paid > MAX_PRICE:
             common.fail(f"--tool_call_cost x --max_completion_length ({self.tool_call_cost:g} x "
                         f"{self.max_completion_length}), the most a completion can pay for its calls, must be at most "
-                        f"{MAX_PRICE:g}: the rewards are float32, whose spacing beside a larger price is more than "
-                        "1/16 of a point, so the answer's and the format's points would be rounded away (and past "
-                        "1e19 a squared difference overflows)")
+                        f"{MAX_PRICE:g}: rewards and advantages are float32, and beside a larger price the answer's "
+                        "and the format's points are rounded away (at 1e6 the advantages already move by about 0.02)")
 
 
 # ---------------------------------------------------------------------------------------------

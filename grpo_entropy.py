@@ -8,7 +8,8 @@ tokens of a micro-batch picked by their covariance (covariance_tokens):
     clip_cov   a random few of the tokens whose covariance lies in (lb, ub) lose their loss and gradient
     kl_cov     no clip; the tokens of highest covariance pay ppo_kl_coef x |log pi - log pi_old|
 
-Everything else is grpo.py's: its settings, its loop (grpo.main, given cov_loss), its metrics. grpo.py's
+Everything else is grpo.py's: its settings, its loop (grpo.main, given cov_loss), its metrics (clip_fraction
+counts PPO's clip only: not the tokens Clip-Cov zeroes, and under KL-Cov tokens that still get a gradient). grpo.py's
 own entropy remedies are clip-higher (--epsilon_high) and the entropy bonus (--entropy_coeff), one term of
 its loss line.
 

@@ -70,12 +70,14 @@ class RunConfig:
     """where the model, metrics.jsonl, eval.json and the PNG go"""
     overwrite_output_dir: bool = False
     """replace the run already in --output_dir: the new run writes into <output_dir>/.next_run and moves in when it
-    finishes, so a run that fails or is killed leaves the old one whole. It then removes the old run's files: those
+    finishes, so a run that fails or is killed before its move-in leaves the old one whole. It then removes the old
+    run's files: those
     its run.json lists and any model weights, adapter, critic/, merged/ and checkpoint (a run.json that lists
     another kind of name is refused); without a run.json, every file whose name a run writes (model, tokenizer,
     metrics, *.png, README.md, ...), whoever put it there. Other files stay. A folder holds a run when it has a
     run.json, a checkpoint or a metrics.jsonl; into any other folder a run writes beside the files there, and is
-    refused if one has a name it writes. A kill's leftovers (checkpoint.tmp, .<name>.tmp) go when a run starts"""
+    refused if one has a name it writes. A kill's leftovers (checkpoint.tmp, .checkpoint_tmp, .<name>.tmp) go once
+    the folder check passes"""
     system_prompt: str = ""
     """optional system message before each question (a hub model may need the format explained; use the same one in
     every script of a chain)"""
@@ -114,8 +116,10 @@ class RunConfig:
     report_to: str = setting("none", lambda v: set(v.split(",")) <= {"none", *TRACKERS}, "none, tensorboard, "
                              "trackio, or tensorboard,trackio")
     """where each metrics line also goes, beside metrics.jsonl and the PNG: tensorboard (event files in
-    <output_dir>/runs; `tensorboard --logdir <output_dir>`), trackio (its local database; `trackio show`), both
-    (tensorboard,trackio), or none. Each needs its package only when asked for: pip install tensorboard / trackio"""
+    <output_dir>/runs; `tensorboard --logdir <output_dir>`), trackio (its local database, or a Space or server when
+    TRACKIO_SPACE_ID or TRACKIO_SERVER_URL is set; `trackio show`), both (tensorboard,trackio), or none. At --resume
+    the trackers keep what was logged after the checkpoint and get those steps again. Each needs its package only
+    when asked for: pip install tensorboard / trackio"""
     seed: int = setting(0, lambda v: 0 <= v < 2**32, "in [0, 2^32)")
     """random seed"""
     lora_r: int | None = setting(None, lambda v: v >= 1, "a positive rank (leave it out to train every weight)")
@@ -1101,8 +1105,8 @@ class Trackers:
     """--report_to (transformers' and TRL's name): each metrics line also goes to TensorBoard (event files in
     <output_dir>/runs, as transformers' TensorBoardCallback writes them) and/or Trackio (local: its database in
     TRACKIO_DIR, by default ~/.cache/huggingface/trackio; project TRACKIO_PROJECT or "rlhf", the run named after
-    --output_dir). metrics.jsonl and the PNG stay the run's record; nothing here changes what a step computes.
-    A package is imported only when its tracker is asked for. Rank 0 only."""
+    --output_dir's last part). metrics.jsonl and the PNG stay the run's record; nothing here changes what a step
+    computes. A package is imported only when its tracker is asked for. Rank 0 only."""
 
     def __init__(self, report_to: str):
         self.names = [name for name in TRACKERS if name in report_to.split(",")]
