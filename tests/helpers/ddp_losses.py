@@ -40,7 +40,8 @@ losses = {
     "grpo_grpo": lambda lp, m, a: grpo.grpo_loss(lp, lp.detach() + 0.1, lp.detach() - 0.2, a, m,
                                                  grpo.Config(beta=0.04, loss_type="grpo")),
     "ppo_actor": lambda lp, m, a: ppo.ppo_actor_loss(lp, lp.detach() + 0.1, a[:, None].expand_as(lp), m, 0.2),
-    "mix_dapo": lambda lp, m, a: mix.mix_loss(lp, lp.detach(), None, a, m, expert[share], 0.5, 0.2, 0.0, "dapo"),
+    "mix_dapo": lambda lp, m, a: mix.mix_loss(lp, lp.detach(), None, a, m, expert[share],
+                                              mix.Config(mu=0.5, epsilon=0.2, beta=0.0, loss_type="dapo")),
     "dapo_local_mean": lambda lp, m, a: (-a[:, None] * lp * m).sum() / m.sum(),  # wrong under torchrun, on purpose
 }
 
