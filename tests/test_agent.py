@@ -54,19 +54,30 @@ def test_tool_reply_answers_each_closed_call_once(text, made, limit, reply):
 
 
 # --- the rollout with the calculator ------------------------------------------------------------------------------
-def scripted_policy(monkeypatch, tokenizer, scripts: list[str]):
-    """Replace the sampler by a script: at its k-th step each row still writing writes the k-th token of its
-    script, then EOS. A row whose script has ended has left the batch (the rows keep their order), so the
-    rows the sampler sees at step k are those whose script is longer than k. The model still computes the
-    logits, so the sampler's log-probs are its log-probs of the scripted tokens."""
-    ids = [tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for script in scripts]
-    step = iter(range(max(len(row) for row in ids)))
+def scripted_policy(monkeypatch, tokenizer, scripts: list[str], replies: list[list[str]]):
+    """Replace the sampler by a script: each row writes its script's tokens, then EOS, and after each of them that
+    closes a call ('</calc>' in the script's text for the k-th time) the rollout forces the k-th of the row's
+    replies, a token a step, without the sampler. So at step t the sampler sees the rows whose t-th token is
+    the script's (the rows keep their order; a row whose script has ended has left the batch), and gives each
+    its token. The model still computes the logits, so the sampler's log-probs are its log-probs of the
+    scripted tokens. replies: per row, the calculator's replies in order, as the rollout will force them."""
+    steps = []  # per row, per step: the script's token, or None where the calculator's is forced
+    for script, row_replies in zip(scripts, replies):
+        ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        row, closed = [], 0
+        for k, token in enumerate(ids):
+            row.append(token)
+            if tokenizer.decode(ids[: k + 1]).count("</calc>") > closed:
+                row += [None] * len(tokenizer(row_replies[closed], add_special_tokens=False)["input_ids"])
+                closed += 1
+        steps.append(row)
+    step = iter(range(max(len(row) for row in steps)))
 
     def next_token(logits, temperature, greedy):
-        k = next(step)
-        writing = [row for row in ids if len(row) > k]
-        assert len(writing) == len(logits)
-        return torch.tensor([row[k] for row in writing])
+        t = next(step)
+        sampled = [row[t] for row in steps if len(row) > t and row[t] is not None]
+        assert len(sampled) == len(logits)
+        return torch.tensor(sampled, dtype=torch.long)
 
     monkeypatch.setattr(rollout, "next_token", next_token)
 
@@ -83,7 +94,8 @@ def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(sav
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     scripts = ["<think><calc>47+85</calc></think><answer>132</answer>", "<think>7+5=12</think><answer>12</answer>",
                "<think><calc>1+1</calc><calc>2*21</calc><calc>3-4</calc></think><answer>42</answer>"]
-    scripted_policy(monkeypatch, tokenizer, scripts)
+    scripted_policy(monkeypatch, tokenizer, scripts, [["<result>132</result>"], [], ["<result>2</result>",
+                                                     "<result>42</result>", "<result>error: no calls left</result>"]])
     prompts = [common.make_prompt(tokenizer, q) for q in ("What is 47 + 85?", "What is 7 + 5?", "What is 1 + 1?")]
     episodes = agent.generate_with_tools(model, tokenizer, prompts, 200, max_tool_calls=2)
 
@@ -120,7 +132,7 @@ def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(sav
 def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch, script, budget, text, calls):
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40])  # longer than the budget
+    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40], [["<result>9</result>"]])  # longer than the budget
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], budget,
                                          max_tool_calls=2)
     assert episodes.completion_ids.shape[1] == budget == int(episodes.completion_mask.sum())
@@ -171,7 +183,7 @@ def test_an_orphan_closing_tag_is_one_call_whose_reply_is_never_read_as_the_poli
     the reply comes once, right after the policy's </calc>, and every token after it is the policy's."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    scripted_policy(monkeypatch, tokenizer, [script])
+    scripted_policy(monkeypatch, tokenizer, [script], [replies])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 200,
                                          max_tool_calls=2)
     ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
@@ -196,7 +208,7 @@ def test_a_token_that_closes_a_call_and_opens_the_reply_still_does_after_an_orph
     model.resize_token_embeddings(len(tokenizer))
     script = "<think>47+85</calc> so <calc>4+5</calc><</think><answer>9</answer>"
     assert "><" in tokenizer.convert_ids_to_tokens(tokenizer(script, add_special_tokens=False)["input_ids"])
-    scripted_policy(monkeypatch, tokenizer, [script])
+    scripted_policy(monkeypatch, tokenizer, [script], [[ORPHAN, "result>9</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], 200,
                                          max_tool_calls=2)
     ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
@@ -249,7 +261,8 @@ def test_no_gradient_reaches_the_logits_that_predict_the_calculators_tokens(save
     token is exactly 0, and not at the positions that predict the policy's."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path)
-    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"],
+                    [["<result>132</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
     T = episodes.completion_ids.shape[1]
     input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)

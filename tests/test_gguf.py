@@ -233,7 +233,8 @@ def test_the_calculators_turn_on_the_real_tokenizer(policy, monkeypatch):
     from test_agent import scripted_policy
 
     model, tokenizer = policy
-    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"],
+                    [["<result>132</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
     ids, reply = episodes.completion_ids[0], episodes.reply_mask[0].bool()
     assert tokenizer.decode(ids[reply]) == "<result>132</result>" and episodes.calls.tolist() == [1]
