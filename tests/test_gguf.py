@@ -227,7 +227,7 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
 def test_the_calculators_turn_on_the_real_tokenizer(policy, monkeypatch):
     """On SmolLM2's BPE, where a tag is several tokens and a token may hold '>' and more: a scripted call
     gets its reply, reply_mask covers exactly the reply's tokens, and the sampler's log-probs of the
-    policy's tokens (the reply prefilled into the KV cache) equal one forward pass over the episode."""
+    policy's tokens (the reply forced into the KV cache a token a step) equal one forward pass over the episode."""
     import agent
     from floats import assert_close, forward_terms
     from test_agent import scripted_policy
