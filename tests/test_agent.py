@@ -281,19 +281,25 @@ SWITCHED_OFF = [{"share_prompts": False}, {"drop_finished": False}, {"grow_in_pl
                  "static_cache": False}]  # the plain loop
 
 
+@pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("switches", SWITCHED_OFF)
-def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatch, switches):
+def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatch, switches, greedy):
     """Each speed-up of generate_with_tools switched off, and the static cache switched on (as on a CUDA GPU;
-    here its step runs uncaptured), and all of them off: greedy, the same tokens, replies, calls and masks as
-    the default's, the sampler's log-probs within rounding."""
+    here its step runs uncaptured), and all of them off: the same tokens, replies, calls and masks as the
+    default's, the sampler's log-probs within rounding. Greedy; and sampled from the same seed (at temperature
+    0.1, where the pull still makes calls): every path draws random numbers for the same rows, those the policy
+    writes for (not a forced row, not a finished one), so no switch changes a draw."""
     path, tokenizer, _ = saved_tiny
     model = rigged_model(monkeypatch, path, tokenizer)
     prompts = [common.make_prompt(tokenizer, q) for q in QUESTIONS]
-    default = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, greedy=True)
-    other = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, greedy=True, **switches)
+    torch.manual_seed(1)
+    default = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy)
+    torch.manual_seed(1)
+    other = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy, **switches)
     for name in ("completion_ids", "completion_mask", "reply_mask", "calls"):
         assert torch.equal(getattr(other, name), getattr(default, name)), name
     assert torch.allclose(other.sampler_logprobs, default.sampler_logprobs, atol=1e-5)
+    assert len(set(default.calls.tolist())) > 1  # rows that call and rows that do not (or not as often)
 
 
 # The previous rollout (agent.py up to issue 70's item 3), kept as the reference of
