@@ -307,7 +307,7 @@ def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatc
 # forward pass of width 1 + the longest reply, padding holes in the cache. Not used by agent.py.
 @torch.no_grad()
 def previous_generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
-                        temperature: float = 1.0, greedy: bool = False) -> agent.Episodes:
+                                 temperature: float = 1.0, greedy: bool = False) -> agent.Episodes:
     """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
     the environment's turn inside it. After each step, a row whose own text closes a call (tool_reply) gets
     the reply's tokens. They go into the cache with the row's sampled token, one forward pass of width
