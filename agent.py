@@ -30,16 +30,19 @@ One training step, grpo.py's five with two changes (marked in main()'s loop):
   4. reference log-probs (beta > 0), old log-probs (num_iterations > 1)
   5. grpo.grpo_loss on the policy's tokens only: mask = completion_mask x (1 - reply_mask)  (action_mask)
 
+The calculator's reply is written as the policy's tokens are, one token per row per step through the
+same one-token forward pass (forced from a per-row queue, without a sample: nanochat's engine), so the
+rollout has rollout.generate's speed-ups, the static cache of a CUDA GPU included.
+
 Every GRPO setting of grpo.py works here (loss types, advantage estimators, clip ranges, LoRA,
 torchrun) except --dynamic_sampling. What is left out, and why: one tool (a second is one more
-branch in tool_reply); the rollout's speed-ups (rollout.generate's share_prompts is used for the
-prompts, but a CUDA GPU still runs this plain loop: the static cache replays one captured graph per
-token, and a reply prefilled in the middle of the loop would need a graph of every width);
-asynchronous rollouts, where episodes wait on slow tools while others run (verl, OpenRLHF), which
-an in-process calculator does not need; rewards per turn (the outcome is scored once, at the end).
+branch in tool_reply); asynchronous rollouts, where episodes wait on slow tools while others run
+(verl, OpenRLHF), which an in-process calculator does not need; rewards per turn (the outcome is
+scored once, at the end).
 docs/agent.md explains the episode, the mask, credit over turns, and how TRL, verl and OpenRLHF
 lay out the same loop.
 """
+import collections
 import copy
 import functools
 import re
@@ -144,7 +147,7 @@ def policy_text(tokenizer, ids: torch.Tensor, reply_mask: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Step 1: the rollout, with the calculator's turns prefilled into the KV cache
+# Step 1: the rollout, with the calculator's replies forced into the completion a token at a time
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Episodes:
@@ -162,93 +165,100 @@ class Episodes:
 @rollout.timed("generation")
 @torch.no_grad()
 def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
-                        temperature: float = 1.0, greedy: bool = False) -> Episodes:
-    """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
-    the environment's turn inside it. After each step, a row whose own text closes a call (tool_reply) gets
-    the reply's tokens. They go into the cache with the row's sampled token, one forward pass of width
-    1 + the longest reply: a short prefill. Rows that call and rows that do not stay in one batch; a row
-    that does not call pads the extra columns, masked out of attention (holes in the cache that its
-    position ids skip). So each row's completion is contiguous, and the log-prob pass over
-    [prompt | completion] sees the positions the sampler saw. The token budget counts the calculator's
-    tokens: a reply is cut at max_new_tokens, and a call closed on the last token gets none."""
+                        temperature: float = 1.0, greedy: bool = False, share_prompts=True, drop_finished=True,
+                        grow_in_place=True, static_cache=None, only_after_gt=True) -> Episodes:
+    """Episodes with the calculator: rollout.generate's loop (KV cache, one token per row per step) with
+    the environment's turn inside it. After a row's token, the calculator reads the row's own text
+    (policy_text); if it closes a call (tool_reply), the reply's tokens wait in the row's queue, and at
+    each of the next steps the row writes the queue's next token instead of a sample: forced, reply_mask 1,
+    no sample and log-prob 0 (nanochat's engine does the same). Every step is the same one-token forward
+    for every row, so each completion is contiguous, and the log-prob pass over [prompt | completion]
+    sees the positions the sampler saw. The token budget counts the calculator's tokens: a reply is cut
+    at max_new_tokens, and a call closed on the last token gets none.
+    The speed-ups are rollout.generate's (share_prompts, drop_finished, grow_in_place, static_cache: on by
+    default on a CUDA GPU), and only_after_gt: a row's text is read for a call only after a token holding
+    '>' (tokens_with_gt). Each switched off gives the same tokens, greedy or sampled from the same seed: the
+    sampler draws for the same rows on every path, those the policy writes for (tests/test_agent.py)."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    N = len(prompts)
+    N, P = prompt_ids.shape
     completion_ids = torch.full((N, max_new_tokens), tokenizer.pad_token_id, device=device)  # [N, max_new_tokens]
     reply_mask = torch.zeros_like(completion_ids)
     sampler_logprobs = torch.zeros(N, max_new_tokens, device=device)
-    lengths = torch.zeros(N, dtype=torch.long, device=device)  # tokens written per row, the calculator's included
+    queues = [collections.deque() for _ in range(N)]  # per row: the calculator's tokens still to write
     calls = [0] * N
-    may_close = tokens_with_gt(tokenizer).to(device)  # [V]: tokens that may end '</calc>' (only then: decode)
+    may_close = tokens_with_gt(tokenizer).to(device)  # [V]: tokens that may end '</calc>'
     was_training = model.training
     model.eval()
     with distributed.gathered(model), rollout.autocast(model):
-        # Speed: each distinct prompt run once, its rows sharing its keys and values (rollout.generate's share_prompts)
-        cache, logits = rollout.rows_of(rollout.distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
-        rows = torch.arange(N, device=device)  # the rows still writing: [b]
-        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, columns of the cache], [b]
-        while True:
-            # the policy's turn: one token per row
-            last_logits = logits[:, -1].float()  # [b, V]
-            next_tokens = rollout.next_token(last_logits, temperature, greedy)  # [b]
-            sampler_logprobs[rows, lengths[rows]] = rollout.logprobs_of_tokens(last_logits, next_tokens, temperature)
-            completion_ids[rows, lengths[rows]] = next_tokens
-            lengths[rows] += 1
-            finished = (next_tokens == tokenizer.eos_token_id) | (lengths[rows] >= max_new_tokens)  # [b]
-            # the calculator's turn: rows whose text now closes a call get the reply's tokens
-            replies = [[] for _ in rows]
-            for i, row in enumerate(rows.tolist()):
-                if finished[i] or not may_close[next_tokens[i]]:
-                    continue
-                written = slice(0, int(lengths[row]))
-                text = policy_text(tokenizer, completion_ids[row, written], reply_mask[row, written])
+        if not share_prompts:  # the prompts' keys and values (the KV cache), and the logits of their last position
+            out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                        position_ids=rollout.position_ids(prompt_mask), use_cache=True, logits_to_keep=1)
+            cache, logits = getattr(out, rollout.CACHE), out.logits  # logits [N, 1, V]
+        else:  # Speed: the same, each distinct prompt run once, its rows sharing its keys and values
+            cache, logits = rollout.rows_of(rollout.distinct_prompts(model, prompt_ids, prompt_mask))  # [N, 1, V]
+        if static_cache is None:
+            static_cache = rollout.static_cache_fits(model, cache)
+        if static_cache:  # Speed: a KV cache of fixed size, each token one replay of a CUDA graph (decode_static's)
+            step = rollout.static_step(model, N, P + max_new_tokens)
+            step.start(cache, prompt_mask)
+        elif grow_in_place:  # Speed: each new token's keys and values are written into room kept for them
+            rollout.make_room(cache, max_new_tokens)
+        rows = torch.arange(N, device=device)  # the rows in the batch: [b]
+        done = torch.zeros(N, dtype=torch.bool, device=device)  # rows that have written EOS: [N]
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, P + t], [b]: the last position
+        for t in range(max_new_tokens):
+            next_tokens = torch.full_like(rows, tokenizer.pad_token_id)  # [b]: a row that is done writes padding
+            # the calculator's turn: a row with a reply still to write takes its next token (forced)
+            forced = torch.tensor([len(queues[row]) > 0 for row in rows.tolist()], device=device)  # [b]
+            next_tokens[forced] = torch.tensor([queues[row].popleft() for row in rows[forced].tolist()],
+                                               dtype=torch.long, device=device)
+            reply_mask[rows[forced], t] = 1
+            # the policy's turn: every other row still writing samples its token
+            policy = ~forced & ~done[rows]  # [b]
+            last_logits = logits[policy, -1].float()  # [b', V]
+            next_tokens[policy] = rollout.next_token(last_logits, temperature, greedy)
+            sampler_logprobs[rows[policy], t] = rollout.logprobs_of_tokens(last_logits, next_tokens[policy],
+                                                                           temperature)
+            completion_ids[rows, t] = next_tokens
+            done[rows] |= next_tokens == tokenizer.eos_token_id
+            if t == max_new_tokens - 1 or done.all():
+                break
+            # a row whose own token closes a call: the reply queued, forced from the next step on
+            reading = policy & ~done[rows]  # [b]
+            if only_after_gt:  # Speed: only a token holding '>' can end '</calc>'; the others are not decoded
+                reading &= may_close[next_tokens]
+            for row in rows[reading].tolist():
+                text = policy_text(tokenizer, completion_ids[row, : t + 1], reply_mask[row, : t + 1])
                 reply = tool_reply(text, calls[row], max_tool_calls)
                 if reply is not None:
                     calls[row] += 1
-                    room = max_new_tokens - int(lengths[row])  # the budget counts the calculator's tokens
-                    replies[i] = tokenizer(reply, add_special_tokens=False)["input_ids"][:room]
-                    span = slice(int(lengths[row]), int(lengths[row]) + len(replies[i]))
-                    completion_ids[row, span], reply_mask[row, span] = torch.tensor(replies[i], device=device), 1
-                    lengths[row] += len(replies[i])
-                    finished[i] = lengths[row] >= max_new_tokens
-            if finished.all():
-                break
-            if finished.any():  # Speed: finished rows leave the batch and the cache (rollout.generate's drop_finished)
-                writing = ~finished
-                rows, next_tokens, positions, attention_mask = (rows[writing], next_tokens[writing],
-                                                                positions[writing], attention_mask[writing])
-                replies = [reply for reply, keep in zip(replies, writing.tolist()) if keep]
+                    queues[row].extend(tokenizer(reply, add_special_tokens=False)["input_ids"])
+            # the next forward: one token per row, the policy's or the calculator's
+            if drop_finished and not static_cache and done[rows].any():  # Speed: rows that wrote EOS leave
+                writing = ~done[rows]  # the batch, and the cache
+                rows, next_tokens, positions = rows[writing], next_tokens[writing], positions[writing]
+                attention_mask = attention_mask[writing]
                 cache.batch_select_indices(writing.nonzero().squeeze(1))
-            # the next forward pass: each row's sampled token, then its reply if it called; padding masked
-            width = 1 + max(len(reply) for reply in replies)
-            new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, device=device)  # [b, width]
-            new_mask = torch.zeros_like(new_ids)
-            new_ids[:, 0], new_mask[:, 0] = next_tokens, 1
-            for i, reply in enumerate(replies):
-                new_ids[i, 1 : 1 + len(reply)], new_mask[i, 1 : 1 + len(reply)] = torch.tensor(reply), 1
-            attention_mask = torch.cat([attention_mask, new_mask], dim=1)
-            new_positions = positions[:, None] + new_mask.cumsum(dim=1)  # real tokens count; padding repeats one
-            logits = model(input_ids=new_ids, attention_mask=attention_mask, position_ids=new_positions,
-                           **{rollout.CACHE: cache}, use_cache=True).logits  # [b, width, V]
-            last = new_mask.sum(dim=1) - 1  # [b]: each row's last real column
-            logits = logits[torch.arange(len(rows), device=device), last][:, None]  # [b, 1, V]
-            positions = positions + new_mask.sum(dim=1)
+            if static_cache:  # every row stays in the batch: the cache has a fixed size
+                logits = step(model, next_tokens, P + t)  # [N, 1, V]
+            else:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+                positions = positions + 1
+                logits = model(input_ids=next_tokens[:, None], attention_mask=attention_mask,
+                               position_ids=positions[:, None], **{rollout.CACHE: cache}, use_cache=True).logits
     model.train(was_training)
-    T = int(lengths.max())
-    completion_mask = (torch.arange(T, device=device) < lengths[:, None]).long()  # [N, T]
-    return Episodes(prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask, reply_mask[:, :T],
-                    sampler_logprobs[:, :T], torch.tensor(calls, device=device))
+    completion_ids = completion_ids[:, : t + 1]  # [N, T]: up to the longest completion
+    completion_mask = rollout.mask_after_eos(completion_ids, tokenizer.eos_token_id)  # [N, T]
+    return Episodes(prompt_ids, prompt_mask, completion_ids, completion_mask, reply_mask[:, : t + 1],
+                    sampler_logprobs[:, : t + 1], torch.tensor(calls, device=device))
 
 
 @functools.lru_cache(maxsize=4)
 def tokens_with_gt(tokenizer) -> torch.Tensor:
     """[V] bool: the tokens whose text holds '>', the only ones that can end a '</calc>' (once per tokenizer)."""
     return torch.tensor(['>' in token for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))])
-
-
-PLAIN_LOOP = ("agent.py samples with the plain KV-cache loop, not rollout.py's CUDA-graph static cache: that cache "
-              "replays one captured graph per token, and the calculator's reply is a prefill of varying width")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,8 +334,6 @@ def main(cfg: Config):
     run.shard(model, ref_model)
     run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
                    sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
-    if run.device.type == "cuda":  # say why the rollout is not rollout.py's faster one there
-        distributed.log(PLAIN_LOOP)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = common.warmup_cosine_schedule(optimizer, cfg.warmup_steps * cfg.num_iterations,
                                               cfg.max_steps * cfg.num_iterations, cfg.min_lr_rate)

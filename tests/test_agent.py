@@ -1,5 +1,6 @@
-"""agent.py: the calculator and its refusals, the rollout with the calculator's turns (the prefill,
-the budget, the mask), the loss that leaves the calculator's tokens out, and a run."""
+"""agent.py: the calculator and its refusals, the rollout with the calculator's turns (the forced tokens,
+the budget, the mask; the same greedy tokens as the previous rollout, and with each speed-up switched off),
+the loss that leaves the calculator's tokens out, and a run."""
 import random
 import re
 
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agent
 import common
+import distributed
 import grpo
 import rollout
 from conftest import read_metrics, run, run_main
@@ -54,38 +56,51 @@ def test_tool_reply_answers_each_closed_call_once(text, made, limit, reply):
 
 
 # --- the rollout with the calculator ------------------------------------------------------------------------------
-def scripted_policy(monkeypatch, tokenizer, scripts: list[str]):
-    """Replace the sampler by a script: at its k-th step each row still writing writes the k-th token of its
-    script, then EOS. A row whose script has ended has left the batch (the rows keep their order), so the
-    rows the sampler sees at step k are those whose script is longer than k. The model still computes the
-    logits, so the sampler's log-probs are its log-probs of the scripted tokens."""
-    ids = [tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for script in scripts]
-    step = iter(range(max(len(row) for row in ids)))
+def scripted_policy(monkeypatch, tokenizer, scripts: list[str], replies: list[list[str]]):
+    """Replace the sampler by a script: each row writes its script's tokens, then EOS, and after each of them that
+    closes a call ('</calc>' in the script's text for the k-th time) the rollout forces the k-th of the row's
+    replies, a token a step, without the sampler. So at step t the sampler sees the rows whose t-th token is
+    the script's (the rows keep their order; a row whose script has ended has left the batch), and gives each
+    its token. The model still computes the logits, so the sampler's log-probs are its log-probs of the
+    scripted tokens. replies: per row, the calculator's replies in order, as the rollout will force them."""
+    steps = []  # per row, per step: the script's token, or None where the calculator's is forced
+    for script, row_replies in zip(scripts, replies):
+        ids = tokenizer(script, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        row, closed = [], 0
+        for k, token in enumerate(ids):
+            row.append(token)
+            if tokenizer.decode(ids[: k + 1]).count("</calc>") > closed:
+                row += [None] * len(tokenizer(row_replies[closed], add_special_tokens=False)["input_ids"])
+                closed += 1
+        steps.append(row)
+    step = iter(range(max(len(row) for row in steps)))
 
     def next_token(logits, temperature, greedy):
-        k = next(step)
-        writing = [row for row in ids if len(row) > k]
-        assert len(writing) == len(logits)
-        return torch.tensor([row[k] for row in writing])
+        t = next(step)
+        sampled = [row[t] for row in steps if len(row) > t and row[t] is not None]
+        assert len(sampled) == len(logits)
+        return torch.tensor(sampled, dtype=torch.long)
 
     monkeypatch.setattr(rollout, "next_token", next_token)
 
 
-def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(saved_tiny, monkeypatch):
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(saved_tiny, monkeypatch, static_cache):
     """Three rows in one batch: one that calls once, one that never calls (and finishes first, leaving the
     batch and the cache), one that calls three times with --max_tool_calls 2. Each completion reads as the
     episode (the replies in place), reply_mask is 1 on the replies' tokens and nowhere else, and the
-    sampler's log-probs of the policy's tokens, computed with the replies prefilled into the KV cache next
-    to rows that did not call, equal the plain log-prob pass's over the finished [prompt | completion] (one
-    forward pass, no cache, no holes): the speed-ups of the loop (each prompt run once, finished rows
-    leaving the batch) and its prefill change no number beyond float rounding."""
+    sampler's log-probs of the policy's tokens, computed with the replies forced into the KV cache a token a
+    step beside rows that did not call, equal the plain log-prob pass's over the finished [prompt | completion]
+    (one forward pass, no cache): the speed-ups of the loop (each prompt run once, finished rows leaving the
+    batch; or the static cache's decode_step) change no number beyond float rounding."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     scripts = ["<think><calc>47+85</calc></think><answer>132</answer>", "<think>7+5=12</think><answer>12</answer>",
                "<think><calc>1+1</calc><calc>2*21</calc><calc>3-4</calc></think><answer>42</answer>"]
-    scripted_policy(monkeypatch, tokenizer, scripts)
+    scripted_policy(monkeypatch, tokenizer, scripts, [["<result>132</result>"], [], ["<result>2</result>",
+                                                     "<result>42</result>", "<result>error: no calls left</result>"]])
     prompts = [common.make_prompt(tokenizer, q) for q in ("What is 47 + 85?", "What is 7 + 5?", "What is 1 + 1?")]
-    episodes = agent.generate_with_tools(model, tokenizer, prompts, 200, max_tool_calls=2)
+    episodes = agent.generate_with_tools(model, tokenizer, prompts, 200, max_tool_calls=2, static_cache=static_cache)
 
     texts = [tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(episodes.completion_ids, episodes.completion_mask)]
     expected = [scripts[0].replace("</calc>", "</calc><result>132</result>", 1), scripts[1],
@@ -117,12 +132,14 @@ def test_rollout_appends_each_reply_and_masks_exactly_the_calculators_tokens(sav
     # a reply cut where the budget ends: the calculator's tokens count
     ("<think><calc>4+5</calc>", 23, "<think><calc>4+5</calc><resul", 1),
 ])
-def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch, script, budget, text, calls):
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_the_token_budget_counts_the_calculators_tokens(saved_tiny, monkeypatch, script, budget, text, calls,
+                                                        static_cache):
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40])  # longer than the budget
+    scripted_policy(monkeypatch, tokenizer, [script + "x" * 40], [["<result>9</result>"]])  # longer than the budget
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], budget,
-                                         max_tool_calls=2)
+                                         max_tool_calls=2, static_cache=static_cache)
     assert episodes.completion_ids.shape[1] == budget == int(episodes.completion_mask.sum())
     assert tokenizer.decode(episodes.completion_ids[0]) == text
     assert episodes.calls.tolist() == [calls]
@@ -171,7 +188,7 @@ def test_an_orphan_closing_tag_is_one_call_whose_reply_is_never_read_as_the_poli
     the reply comes once, right after the policy's </calc>, and every token after it is the policy's."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    scripted_policy(monkeypatch, tokenizer, [script])
+    scripted_policy(monkeypatch, tokenizer, [script], [replies])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 200,
                                          max_tool_calls=2)
     ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
@@ -196,7 +213,7 @@ def test_a_token_that_closes_a_call_and_opens_the_reply_still_does_after_an_orph
     model.resize_token_embeddings(len(tokenizer))
     script = "<think>47+85</calc> so <calc>4+5</calc><</think><answer>9</answer>"
     assert "><" in tokenizer.convert_ids_to_tokens(tokenizer(script, add_special_tokens=False)["input_ids"])
-    scripted_policy(monkeypatch, tokenizer, [script])
+    scripted_policy(monkeypatch, tokenizer, [script], [[ORPHAN, "result>9</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 4 + 5?")], 200,
                                          max_tool_calls=2)
     ids, tool = episodes.completion_ids[0], episodes.reply_mask[0]  # [T], [T]
@@ -204,6 +221,169 @@ def test_a_token_that_closes_a_call_and_opens_the_reply_still_does_after_an_orph
                                      "</think><answer>9</answer>" + tokenizer.eos_token)
     assert episodes.calls.tolist() == [2]
     assert tokenizer.decode(ids[tool.bool()]) == ORPHAN + "result>9</result>"
+
+
+# --- the rollout against its previous version, and each of its speed-ups switched off -----------------------------
+# A random tiny model pulled toward one episode: an orphan </calc>, a call, a call past --max_tool_calls 2. The pull
+# is as strong as the model's own logits, so the rows (prompts of two lengths, so at two offsets of the episode)
+# stray from it in different places: some close calls, some orphans, some stop at EOS early, some run on.
+EPISODE = ("<think>47+85</calc><result>error: no <calc> before </calc></result> so <calc>47+85</calc>"
+           "<result>132</result> and <calc>1+1</calc><result>error: no calls left</result></think><answer>132</answer>")
+QUESTIONS = ["What is 47 + 85?", "What is 7 + 5?", "What is 12 + 34?", "What is 1 + 1?", "What is 47 + 85?",
+             "What is 100 - 3?"]
+
+
+def rigged_model(monkeypatch, path, tokenizer, strength: float = 1.5):
+    """The saved tiny model, with `strength` added to the logit of EPISODE's token at each position (by the
+    position ids, counted from the first question's prompt): in its forward pass (a hook) and in the static
+    cache's decode_step, so every path of the rollout sees the same pull."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = tokenizer(EPISODE, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    start = len(tokenizer(common.make_prompt(tokenizer, QUESTIONS[0]), add_special_tokens=False)["input_ids"])
+    bias = torch.zeros(start + len(ids), len(tokenizer))  # [positions, V]: the pull at each position
+    bias[torch.arange(len(ids)) + start - 1, torch.tensor(ids)] = strength  # position p predicts the token at p + 1
+    pull = lambda positions: bias[positions.clamp(max=len(bias) - 1)]  # noqa: E731
+
+    def hook(module, args, kwargs, output):  # logits [b, w, V] of the last w positions
+        output.logits += pull(kwargs["position_ids"][:, -output.logits.shape[1]:])
+
+    model.register_forward_hook(hook, with_kwargs=True)
+    decode_step = rollout.decode_step
+    monkeypatch.setattr(rollout, "decode_step", lambda weights, rotary, cache, tokens, positions, *rest:  # [N, V]
+                        decode_step(weights, rotary, cache, tokens, positions, *rest) + pull(positions[:, 0]))
+    return model
+
+
+@pytest.mark.parametrize("budget", [60, 200])  # replies cut by the budget; every row ends (EOS at different steps)
+def test_greedy_tokens_are_the_previous_rollouts(saved_tiny, monkeypatch, budget):
+    """The forced tokens change the arithmetic (a reply's keys and values computed a token a step, not in one
+    prefill beside padding), not the episodes: greedy, the same tokens, replies, calls and masks as the
+    previous rollout (previous_generate_with_tools, below), and the sampler's log-probs within rounding."""
+    path, tokenizer, _ = saved_tiny
+    model = rigged_model(monkeypatch, path, tokenizer)
+    prompts = [common.make_prompt(tokenizer, q) for q in QUESTIONS]
+    new = agent.generate_with_tools(model, tokenizer, prompts, budget, 2, greedy=True)
+    old = previous_generate_with_tools(model, tokenizer, prompts, budget, 2, greedy=True)
+    for name in ("completion_ids", "completion_mask", "reply_mask", "calls"):
+        assert torch.equal(getattr(new, name), getattr(old, name)), name
+    assert torch.allclose(new.sampler_logprobs, old.sampler_logprobs, atol=1e-5)
+    texts = tokenizer.batch_decode(new.completion_ids)
+    assert 0 < new.reply_mask.sum() and any("</calc><result>error: no <calc>" in text for text in texts)
+    if budget == 200:  # rows that called 1, 2 and 3 times, all ended by EOS, at different steps
+        assert set(new.calls.tolist()) >= {2, 3} and (new.completion_mask.sum(dim=1).unique().numel() > 1)
+    else:  # every row cut by the budget, some inside a reply
+        assert new.completion_mask.all() and (new.reply_mask[:, -1] == 1).any()
+
+
+SWITCHED_OFF = [{"share_prompts": False}, {"drop_finished": False}, {"grow_in_place": False},
+                {"only_after_gt": False}, {"static_cache": True},
+                {"share_prompts": False, "drop_finished": False, "grow_in_place": False, "only_after_gt": False,
+                 "static_cache": False}]  # the plain loop
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("switches", SWITCHED_OFF)
+def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatch, switches, greedy):
+    """Each speed-up of generate_with_tools switched off, and the static cache switched on (as on a CUDA GPU;
+    here its step runs uncaptured), and all of them off: the same tokens, replies, calls and masks as the
+    default's, the sampler's log-probs within rounding. Greedy; and sampled from the same seed (at temperature
+    0.1, where the pull still makes calls): every path draws random numbers for the same rows, those the policy
+    writes for (not a forced row, not a finished one), so no switch changes a draw."""
+    path, tokenizer, _ = saved_tiny
+    model = rigged_model(monkeypatch, path, tokenizer)
+    prompts = [common.make_prompt(tokenizer, q) for q in QUESTIONS]
+    torch.manual_seed(1)
+    default = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy)
+    torch.manual_seed(1)
+    other = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy, **switches)
+    for name in ("completion_ids", "completion_mask", "reply_mask", "calls"):
+        assert torch.equal(getattr(other, name), getattr(default, name)), name
+    assert torch.allclose(other.sampler_logprobs, default.sampler_logprobs, atol=1e-5)
+    assert len(set(default.calls.tolist())) > 1  # rows that call and rows that do not (or not as often)
+
+
+# The previous rollout (agent.py up to issue 70's item 3), kept as the reference of
+# test_greedy_tokens_are_the_previous_rollouts: the calculator's reply prefilled with the row's sampled token, one
+# forward pass of width 1 + the longest reply, padding holes in the cache. Not used by agent.py.
+@torch.no_grad()
+def previous_generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
+                                 temperature: float = 1.0, greedy: bool = False) -> agent.Episodes:
+    """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
+    the environment's turn inside it. After each step, a row whose own text closes a call (tool_reply) gets
+    the reply's tokens. They go into the cache with the row's sampled token, one forward pass of width
+    1 + the longest reply: a short prefill. Rows that call and rows that do not stay in one batch; a row
+    that does not call pads the extra columns, masked out of attention (holes in the cache that its
+    position ids skip). So each row's completion is contiguous, and the log-prob pass over
+    [prompt | completion] sees the positions the sampler saw. The token budget counts the calculator's
+    tokens: a reply is cut at max_new_tokens, and a call closed on the last token gets none."""
+    device = next(model.parameters()).device
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    N = len(prompts)
+    completion_ids = torch.full((N, max_new_tokens), tokenizer.pad_token_id, device=device)  # [N, max_new_tokens]
+    reply_mask = torch.zeros_like(completion_ids)
+    sampler_logprobs = torch.zeros(N, max_new_tokens, device=device)
+    lengths = torch.zeros(N, dtype=torch.long, device=device)  # tokens written per row, the calculator's included
+    calls = [0] * N
+    may_close = agent.tokens_with_gt(tokenizer).to(device)  # [V]: tokens that may end '</calc>' (only then: decode)
+    was_training = model.training
+    model.eval()
+    with distributed.gathered(model), rollout.autocast(model):
+        # Speed: each distinct prompt run once, its rows sharing its keys and values (rollout.generate's share_prompts)
+        cache, logits = rollout.rows_of(rollout.distinct_prompts(model, prompt_ids, prompt_mask))  # logits [N, 1, V]
+        rows = torch.arange(N, device=device)  # the rows still writing: [b]
+        attention_mask, positions = prompt_mask, prompt_mask.sum(dim=1) - 1  # [b, columns of the cache], [b]
+        while True:
+            # the policy's turn: one token per row
+            last_logits = logits[:, -1].float()  # [b, V]
+            next_tokens = rollout.next_token(last_logits, temperature, greedy)  # [b]
+            sampler_logprobs[rows, lengths[rows]] = rollout.logprobs_of_tokens(last_logits, next_tokens, temperature)
+            completion_ids[rows, lengths[rows]] = next_tokens
+            lengths[rows] += 1
+            finished = (next_tokens == tokenizer.eos_token_id) | (lengths[rows] >= max_new_tokens)  # [b]
+            # the calculator's turn: rows whose text now closes a call get the reply's tokens
+            replies = [[] for _ in rows]
+            for i, row in enumerate(rows.tolist()):
+                if finished[i] or not may_close[next_tokens[i]]:
+                    continue
+                written = slice(0, int(lengths[row]))
+                text = agent.policy_text(tokenizer, completion_ids[row, written], reply_mask[row, written])
+                reply = agent.tool_reply(text, calls[row], max_tool_calls)
+                if reply is not None:
+                    calls[row] += 1
+                    room = max_new_tokens - int(lengths[row])  # the budget counts the calculator's tokens
+                    replies[i] = tokenizer(reply, add_special_tokens=False)["input_ids"][:room]
+                    span = slice(int(lengths[row]), int(lengths[row]) + len(replies[i]))
+                    completion_ids[row, span], reply_mask[row, span] = torch.tensor(replies[i], device=device), 1
+                    lengths[row] += len(replies[i])
+                    finished[i] = lengths[row] >= max_new_tokens
+            if finished.all():
+                break
+            if finished.any():  # Speed: finished rows leave the batch and the cache (rollout.generate's drop_finished)
+                writing = ~finished
+                rows, next_tokens, positions, attention_mask = (rows[writing], next_tokens[writing],
+                                                                positions[writing], attention_mask[writing])
+                replies = [reply for reply, keep in zip(replies, writing.tolist()) if keep]
+                cache.batch_select_indices(writing.nonzero().squeeze(1))
+            # the next forward pass: each row's sampled token, then its reply if it called; padding masked
+            width = 1 + max(len(reply) for reply in replies)
+            new_ids = torch.full((len(rows), width), tokenizer.pad_token_id, device=device)  # [b, width]
+            new_mask = torch.zeros_like(new_ids)
+            new_ids[:, 0], new_mask[:, 0] = next_tokens, 1
+            for i, reply in enumerate(replies):
+                new_ids[i, 1 : 1 + len(reply)], new_mask[i, 1 : 1 + len(reply)] = torch.tensor(reply), 1
+            attention_mask = torch.cat([attention_mask, new_mask], dim=1)
+            new_positions = positions[:, None] + new_mask.cumsum(dim=1)  # real tokens count; padding repeats one
+            logits = model(input_ids=new_ids, attention_mask=attention_mask, position_ids=new_positions,
+                           **{rollout.CACHE: cache}, use_cache=True).logits  # [b, width, V]
+            last = new_mask.sum(dim=1) - 1  # [b]: each row's last real column
+            logits = logits[torch.arange(len(rows), device=device), last][:, None]  # [b, 1, V]
+            positions = positions + new_mask.sum(dim=1)
+    model.train(was_training)
+    T = int(lengths.max())
+    completion_mask = (torch.arange(T, device=device) < lengths[:, None]).long()  # [N, T]
+    return agent.Episodes(prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask, reply_mask[:, :T],
+                    sampler_logprobs[:, :T], torch.tensor(calls, device=device))
 
 
 # --- the mask: the calculator's tokens take no loss, KL, entropy or ratio -----------------------------------------
@@ -249,7 +429,8 @@ def test_no_gradient_reaches_the_logits_that_predict_the_calculators_tokens(save
     token is exactly 0, and not at the positions that predict the policy's."""
     path, tokenizer, _ = saved_tiny
     model = AutoModelForCausalLM.from_pretrained(path)
-    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"],
+                    [["<result>132</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
     T = episodes.completion_ids.shape[1]
     input_ids = torch.cat([episodes.prompt_ids, episodes.completion_ids], dim=1)

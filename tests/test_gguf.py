@@ -228,13 +228,14 @@ def test_rewards_masks_and_expert_rows_line_up_with_the_real_tokenizer(policy):
 def test_the_calculators_turn_on_the_real_tokenizer(policy, monkeypatch):
     """On SmolLM2's BPE, where a tag is several tokens and a token may hold '>' and more: a scripted call
     gets its reply, reply_mask covers exactly the reply's tokens, and the sampler's log-probs of the
-    policy's tokens (the reply prefilled into the KV cache) equal one forward pass over the episode."""
+    policy's tokens (the reply forced into the KV cache a token a step) equal one forward pass over the episode."""
     import agent
     from floats import assert_close, forward_terms
     from test_agent import scripted_policy
 
     model, tokenizer = policy
-    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"])
+    scripted_policy(monkeypatch, tokenizer, ["<think><calc>47+85</calc></think><answer>132</answer>"],
+                    [["<result>132</result>"]])
     episodes = agent.generate_with_tools(model, tokenizer, [common.make_prompt(tokenizer, "What is 47 + 85?")], 64, 2)
     ids, reply = episodes.completion_ids[0], episodes.reply_mask[0].bool()
     assert tokenizer.decode(ids[reply]) == "<result>132</result>" and episodes.calls.tolist() == [1]
