@@ -75,20 +75,17 @@ class Config(harness.PolicyGradientConfig):
     num_generations: int = setting(8, lambda v: v >= 2, "at least 2: the advantage compares completions within a group")
     """G: completions sampled per prompt (the group)"""
     num_iterations: int = setting(1, lambda v: v >= 1, "at least 1")
-    """gradient steps per rollout batch (TRL's name; the DeepSeekMath paper writes it as a Greek mu, which
-    in this repo means only MIX's weight); > 1 needs the old log-probs"""
+    """gradient steps per rollout batch (TRL's name; DeepSeekMath's mu, a letter this repo keeps for MIX's weight)"""
     epsilon: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the ratio pi/pi_old: it is kept in [1 - epsilon, 1 + epsilon_high]"""
     epsilon_high: float | None = setting(None, lambda v: v is None or v > 0, "positive (leave it out to use --epsilon)")
-    """upper clip range (DAPO's clip-higher: 0.28 with epsilon 0.2, more room for rare tokens to grow);
-    unset = epsilon"""
+    """upper clip range, unset = epsilon (DAPO's clip-higher: 0.28 with epsilon 0.2, room for rare tokens to grow)"""
     importance_sampling_level: str = setting("token", lambda v: v in ("token", "sequence"), "one of token, sequence")
     """'token': a ratio per token (PPO, GRPO); 'sequence': one per completion, the geometric mean of its tokens'
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
-    """weight of the KL penalty to the reference policy (0 = no reference model). 0.04 is DeepSeekMath's (Shao et
-    al. 2024, section 4.2; the notes name beta but give no value); TRL 1.16 defaults to 0.0 (and to loss_type dapo,
-    learning_rate 1e-6, use_bias_correction_kl True): set them to compare"""
+    """weight of the KL penalty to the reference policy (0 = no reference model); 0.04 is DeepSeekMath's (section 4.2),
+    where TRL 1.16 defaults to 0.0, loss_type dapo, learning_rate 1e-6, use_bias_correction_kl: set them to compare"""
     advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
                                        "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
     """step 3, each reward against a baseline from its group (see advantages_of): 'grpo' (r - group mean) / std as
@@ -100,20 +97,17 @@ class Config(harness.PolicyGradientConfig):
     max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's A * logp weighted by
     its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over the step's tokens"""
     scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
-    """divide the centred rewards by the std of their 'group' (GRPO), of all the step's raw rewards ('batch'), or
-    'none' (Dr. GRPO)"""
+    """divide the centred rewards by the std of their 'group' (GRPO), of the step's raw rewards ('batch'), or 'none'"""
     dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop each group whose rewards are all equal (no signal) and sample more prompts, up
-    to --max_sampling_rounds rollouts per step, until the step has B groups with spread (fewer if not found; logged
-    as dynamic_sampling/rounds and dynamic_sampling/groups)"""
+    """DAPO's dynamic sampling: drop each group whose rewards are all equal (no signal), sample more prompts until the
+    step has B groups with spread or --max_sampling_rounds rollouts were made (logs dynamic_sampling/rounds, /groups)"""
     max_sampling_rounds: int = setting(4, lambda v: v >= 1, "at least 1")
     """with --dynamic_sampling: rollouts per step at most (DAPO's max_num_gen_batches)"""
     mask_truncated_completions: bool = False
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
     entropy_coeff: float = setting(0.0, lambda v: v >= 0, "0 or more")
-    """an entropy bonus: the loss minus entropy_coeff x the policy's entropy averaged as --loss_type averages the
-    token losses (verl's name and default, 0), paying the policy to stay unsure (see grpo_loss); the entropy's
-    graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
+    """an entropy bonus (verl's name and default): the loss minus entropy_coeff x the policy's entropy, averaged as the
+    token losses are (see grpo_loss); its graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
     # the run's settings (harness.py) at GRPO's defaults
     output_dir: str = "out/grpo"
     per_device_train_batch_size: int = 128
@@ -126,12 +120,10 @@ class Config(harness.PolicyGradientConfig):
         if rows_per_step % self.num_generations:
             common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({rows_per_step}) must be a "
                         f"multiple of --num_generations ({self.num_generations})")
-        if self.loss_type == "cispo" and (self.epsilon_high is None or self.importance_sampling_level != "token"):
-            common.fail("--loss_type cispo caps each token's ratio at --epsilon_high, an absolute cap (MiniMax-M1 and "
-                        "TRL suggest 5.0): set it, and keep --importance_sampling_level token")
-        if self.loss_type == "cispo" and self.epsilon_high < 1:
-            common.fail(f"--loss_type cispo weighs each token by its ratio capped at --epsilon_high, an absolute cap: "
-                        f"{self.epsilon_high} is below 1 and lowers every token's weight, even at ratio 1 (try 5.0)")
+        if self.loss_type == "cispo" and ((self.epsilon_high or 0) < 1 or self.importance_sampling_level != "token"):
+            common.fail("--loss_type cispo weighs each token by its ratio capped at --epsilon_high, an absolute cap of "
+                        "1 or more (MiniMax-M1 and TRL suggest 5.0; below 1 it lowers every weight, even at ratio 1): "
+                        "set it, and keep --importance_sampling_level token")
         if self.changed("max_sampling_rounds") and not self.dynamic_sampling:
             common.fail("--max_sampling_rounds limits DAPO's dynamic sampling: add --dynamic_sampling true, or leave "
                         "it out")
