@@ -51,11 +51,10 @@ from dataclasses import dataclass
 import torch
 
 import common
-import distributed
+from lib import distributed
 import grpo
-import harness
-import rollout
 from common import setting
+from lib import harness, rollout
 from data.make_data import problem_kind
 
 KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind

@@ -28,7 +28,7 @@ model written by reward_model.py), then read three things off the same samples:
 
 Writes eval.json (pass@k and maj@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N;
 each problem's count of right answers), best_of_n.png and run.json to --output_dir, with the training scripts'
-guarantees (harness.py): the folder checked and locked before any sampling, an earlier evaluation replaced
+guarantees (lib/harness.py): the folder checked and locked before any sampling, an earlier evaluation replaced
 only when the new one is whole. Nothing is trained.
 
 Left out, and why: best-of-N as a training target (rejection sampling fine-tuning trains on the
@@ -45,11 +45,10 @@ import torch
 from tqdm import tqdm
 
 import common
-import distributed
-import harness
+from lib import distributed, harness
 import reward_model
-import rollout
-from checks import check_settings
+from lib import rollout
+from lib.checks import check_settings
 from common import setting
 
 
@@ -59,7 +58,7 @@ class Config:
     """what picks the best of N: 'rule' (the checker) or a reward model folder written by reward_model.py"""
     num_samples: int = setting(64, lambda v: v >= 1, "at least 1")
     """n: answers sampled per problem; pass@k and best-of-N are read for k, N = 1, 2, 4, ... up to n"""
-    # The settings a training run has too (harness.py declares them, with their checks): the run's help
+    # The settings a training run has too (lib/harness.py declares them, with their checks): the run's help
     # text, or the one written under the field where an evaluation differs.
     model: str = harness.run_setting("model", "out/grpo")
     """the policy to sample: a folder written by sft.py, grpo.py, ..., a hub id, or a .gguf file"""

@@ -4,9 +4,9 @@ loading (a folder, a hub id, a LoRA adapter, a .gguf file), LoRA and its referen
 the answer checker, the denominator of a token mean, the learning-rate schedule and held-out evaluation.
 
 Each algorithm (SFT, reward model, PPO, GRPO, MIX, DPO and KTO, RFT) lives in its own script, as does
-best-of-N sampling (best_of_n.py); the rollout and the log-prob pass in rollout.py. What a training run
-needs that is not the algorithm lives apart: harness.py (output folder, checkpoints, logging),
-distributed.py (several processes), checks.py (bad input: one sentence).
+best-of-N sampling (best_of_n.py); the rollout and the log-prob pass in lib/rollout.py. What a training run
+needs that is not the algorithm lives apart: lib/harness.py (output folder, checkpoints, logging),
+lib/distributed.py (several processes), lib/checks.py (bad input: one sentence).
 """
 import argparse
 import ast
@@ -36,10 +36,9 @@ from transformers import (  # noqa: E402
     LlamaConfig,
 )
 
-import distributed  # noqa: E402
-import rollout  # noqa: E402
-from checks import NEXT_RUN, check_finite_scores, check_length_drops, check_rows, fail  # noqa: E402, F401
-from distributed import global_min, global_sum, log  # noqa: E402, F401  (over processes; rank 0's line)
+from lib import distributed, rollout  # noqa: E402
+from lib.checks import NEXT_RUN, check_finite_scores, check_length_drops, check_rows, fail  # noqa: E402, F401
+from lib.distributed import global_min, global_sum, log  # noqa: E402, F401  (over processes; rank 0's line)
 
 transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars around our own tqdm bar
 transformers.utils.logging.set_verbosity_error()
@@ -64,7 +63,7 @@ def parse_config(config_class, args=None):
             run_fields.add(field.name)
             docs.setdefault(field.name, [field.metadata["help"]])
     groups = {False: parser.add_argument_group(f"{os.path.basename(inspect.getfile(config_class))}'s settings"),
-              True: parser.add_argument_group("the run's settings (harness.py)")}
+              True: parser.add_argument_group("the run's settings (lib/harness.py)")}
     for field in dataclasses.fields(config_class):
         kind = field.type
         if isinstance(kind, types.UnionType):  # `int | None`: parse an int, None when left out

@@ -40,9 +40,8 @@ from dataclasses import dataclass
 import torch
 
 import common
-import harness
-import rollout
 from common import setting
+from lib import harness, rollout
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Config(harness.RLConfig):
     beta: float = setting(1.0, lambda v: 0 <= v <= 1, "between 0 and 1")
     """the divergence of each token (TRL's): 1 the reverse KL(student || teacher), 0 the forward KL(teacher ||
     student), between them GKD's generalized Jensen-Shannon divergence with this weight on the teacher"""
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     output_dir: str = "out/distill"
     per_device_train_batch_size: int = 128
     """a row is one prompt + the student's one completion: a step samples as many completions as grpo.py's"""

@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 
 import common
-import distributed
-import harness
+from lib import distributed, harness
 import reward_model
-import rollout
 from common import setting
+from lib import rollout
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo", "kto")  # TRL's names: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo,
 #                                                  KTOTrainer's kto
@@ -77,7 +76,7 @@ class Config(harness.RLConfig):
     TRL's GRPOConfig name for the same schedule); 1 is online DPO, each step's pairs from the current policy"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """offline pairs whose prompt + longer answer is longer than this many tokens are dropped"""
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     model: str = "out/sft"
     """the policy, and the reference pi_ref"""
     dataset: str = "data/preference"

@@ -29,8 +29,8 @@ One training step:
   5. num_iterations gradient steps on the clipped objective with the KL penalty
 
 The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
-are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
-are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
+are lib/rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
+are lib/harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
 no number the algorithm computes.
 """
 import copy
@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-import harness
-import rollout
 from common import setting
+from lib import harness, rollout
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # how grpo_loss weighs and averages the token losses
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # step 3's baseline (see advantages_of)
@@ -108,7 +107,7 @@ class Config(harness.PolicyGradientConfig):
     entropy_coeff: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """an entropy bonus (verl's name and default): the loss minus entropy_coeff x the policy's entropy, averaged as the
     token losses are (see grpo_loss); its graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
-    # the run's settings (harness.py) at GRPO's defaults
+    # the run's settings (lib/harness.py) at GRPO's defaults
     output_dir: str = "out/grpo"
     per_device_train_batch_size: int = 128
     """a row is one prompt + one completion: a step samples per_device_train_batch_size x

@@ -26,7 +26,7 @@ One training step:
   4. inference: reference log-probs (beta > 0), old log-probs (num_iterations > 1)
   5. num_iterations gradient steps on (1 - mu) * GRPO loss (usual rows) + mu * SFT loss (expert rows)
 
-main()'s loop numbers these steps; rollout.py and harness.py hold the rollout and the run's machinery.
+main()'s loop numbers these steps; lib/rollout.py and lib/harness.py hold the rollout and the run's machinery.
 """
 import copy
 import math
@@ -37,9 +37,8 @@ import torch.nn.functional as F
 
 import common
 import grpo
-import harness
-import rollout
 from common import setting
+from lib import harness, rollout
 
 LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # how the two terms average their token losses
 
@@ -71,7 +70,7 @@ class Config(harness.PolicyGradientConfig):
     over answers (note 001's formula); 'bnpo' each micro-batch's token mean (Trinity's token-mean); 'dapo' one mean
     over the step's tokens; 'dr_grpo' the sum over answers x max_completion_length"""
     importance_sampling_level = "token"  # not a setting: MIX's GRPO term has a ratio per token (grpo_loss reads it)
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     output_dir: str = "out/mix"
     per_device_train_batch_size: int = 128
     """a row is one prompt + one completion or expert answer: a step's per_device_train_batch_size x

@@ -28,8 +28,8 @@ V = V_old, so neither clip acts and step 5 is an actor-critic policy-gradient st
 with several updates per batch.
 
 The numbered steps are the numbered comments of main()'s loop. The rollout and the log-prob pass
-are rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
-are harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
+are lib/rollout.py's (generate, completion_logprobs: read their plain paths first); the calls on `run`
+are lib/harness.py's machinery (resume, evaluation, checkpoints, the NaN stop, logging), which changes
 no number the algorithm computes.
 """
 import copy
@@ -39,9 +39,8 @@ from typing import NamedTuple
 import torch
 
 import common
-import harness
-import rollout
 from common import setting
+from lib import harness, rollout
 
 
 @dataclass
@@ -81,7 +80,7 @@ class Config(harness.PolicyGradientConfig):
     """normalise the advantages of each batch to mean 0, std 1 over the real tokens"""
     critic_learning_rate: float = setting(1e-4, lambda v: v > 0, "positive")
     """peak learning rate of the critic's AdamW"""
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     model: str = "out/sft"
     """the actor (and the reference)"""
     dataset: str = "data/arithmetic"

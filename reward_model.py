@@ -21,10 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import common
-import distributed
-import harness
-import rollout
 from common import setting
+from lib import distributed, harness, rollout
 
 
 @dataclass
@@ -40,7 +38,7 @@ class Config(harness.RunConfig):
     """policy samples per prompt; each wrong one is paired with a right one"""
     max_length: int = setting(128, lambda v: v >= 2, "at least 2 tokens")
     """pairs whose prompt + response is longer than this many tokens are dropped"""
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     model: str = "out/sft"
     """its LM head is replaced by a scalar head"""
     dataset: str = "data/preference"

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import common
-import harness
-import rollout
+from lib import harness, rollout
 import sft
 from common import setting
 
@@ -46,7 +45,7 @@ class Config(harness.RLConfig):
     """k: answers sampled per prompt (grpo.py's G)"""
     keep: str = setting("all", lambda v: v in ("all", "first"), "one of all, first")
     """which accepted answers to imitate: 'all' of them (ReST-EM), or the 'first' of each prompt (RAFT)"""
-    # the run's settings (harness.py) at this script's defaults: grpo.py's, so both sample as much per step
+    # the run's settings (lib/harness.py) at this script's defaults: grpo.py's, so both sample as much per step
     output_dir: str = "out/rft"
     per_device_train_batch_size: int = 128
     """answers sampled per step (prompts per step x num_generations); the SFT step's micro-batch is as many rows"""

@@ -17,21 +17,20 @@ not always write.
 Answers are formatted as <think>reasoning</think><answer>number</answer> (note 002), so the
 RL scripts can reward the format and the number. One step, in main()'s loop: draw a batch, run the
 log-prob pass over it (rollout.completion_logprobs, one plain pass), sft_loss, backward(), the
-optimizer step; the calls on `run` are harness.py's machinery, which changes no number.
+optimizer step; the calls on `run` are lib/harness.py's machinery, which changes no number.
 """
 from dataclasses import dataclass
 
 import torch
 
 import common
-import harness
-import rollout
+from lib import harness, rollout
 
 
 @dataclass
 class Config(harness.PolicyConfig):
     """SFT's settings are the run's: harness.PolicyConfig's, at these defaults."""
-    # the run's settings (harness.py) at this script's defaults
+    # the run's settings (lib/harness.py) at this script's defaults
     model: str = "tiny"
     """'tiny' builds the embedded ~1M-parameter model from scratch; 'tiny-small' one of half its width
     (~0.2M parameters: a smaller student for distill.py)"""

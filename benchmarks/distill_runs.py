@@ -76,7 +76,7 @@ def teacher_samples(teacher: str, folder: str, seed: int) -> dict:
     import torch
 
     import common
-    import rollout
+    from lib import rollout
 
     torch.manual_seed(seed)
     model, tokenizer = common.load_model(os.path.join(ROOT, teacher))

@@ -88,7 +88,7 @@ def where_the_entropy_is(seed: int, problems: int = 128) -> dict:
     import torch
 
     import common
-    import rollout
+    from lib import rollout
 
     torch.manual_seed(seed)
     model, tokenizer = common.load_model(os.path.join(ROOT, RUNS, "sft", str(seed)))

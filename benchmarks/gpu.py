@@ -145,7 +145,7 @@ def import_repo():
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import common
-    import rollout
+    from lib import rollout
 
     return common, rollout
 
@@ -165,7 +165,7 @@ def child(script: str, result_file: str, args: list):
     if os.environ.get(CHILD_OPTIONS["plain_rollout"]):  # every rollout of the script on the plain loop
         rollout.generate = functools.partial(rollout.generate, static_cache=False)
     if os.environ.get(CHILD_OPTIONS["no_saves"]):
-        import harness
+        from lib import harness
 
         harness.save_checkpoint = harness.save_training_state = lambda *args, **kwargs: None
     sys.argv = [script, *args]
@@ -281,7 +281,7 @@ def precision_check(model_path: str, num_prompts: int = 32, max_new_tokens: int 
     import torch
 
     common, rollout = import_repo()
-    import distributed
+    from lib import distributed
 
     if not torch.cuda.is_bf16_supported():
         return {"skipped": "this GPU has no bf16, so the scripts run in fp32 and there is nothing to compare"}

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 import common  # noqa: E402
-import rollout  # noqa: E402
+from lib import rollout  # noqa: E402
 from gpu import QWEN25_05B  # noqa: E402  (the GPU track's model: Qwen2.5-0.5B's config)
 
 

@@ -19,7 +19,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import distributed
+from lib import distributed
 
 QWEN = {  # from each model's config.json; all three: vocabulary 151,936, embeddings tied to the LM head
     "Qwen2.5-0.5B-Instruct": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

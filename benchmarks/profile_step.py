@@ -9,7 +9,7 @@ The model is benchmarks/gpu.py's: Qwen2.5-0.5B's shapes as a Llama model with ra
 (rollout.generate, the static cache on a GPU) of --prompts prompts x 8 samples of --tokens tokens
 is made once and reused; the rollout is not what is measured. What is measured is the rest of one
 grpo.py step at its defaults (beta 0.04, num_iterations 1, one micro-batch), built from grpo.py's
-and rollout.py's own functions: the reference pass (rollout.inference of completion_logprobs under
+and lib/rollout.py's own functions: the reference pass (rollout.inference of completion_logprobs under
 common.reference_model), the policy's log-prob pass with its entropy, grpo.grpo_loss, the backward
 pass, clip_grad_norm_ and AdamW's step, ending with the loss's .item() as grpo.py's logging does.
 The advantages come from random rewards (grpo.advantages_of): the arithmetic does not depend on them.
@@ -87,7 +87,7 @@ def say(*parts):
 
 
 # ---------------------------------------------------------------------------------------------
-# One step's training passes, from grpo.py's and rollout.py's functions
+# One step's training passes, from grpo.py's and lib/rollout.py's functions
 # ---------------------------------------------------------------------------------------------
 def make_batch(model, tokenizer, cfg, prompts_n: int, tokens: int, device) -> dict:
     """One rollout (grpo.py's step 1, rollout.generate), then the tensors grpo.py's steps 3-5 use."""

@@ -1,6 +1,6 @@
 """A bf16 sampler on the CPU: how large the gap to the float32 trainer is, and whether TIS changes a GRPO run.
 
-On a GPU the rollout samples from a bf16 copy of the weights (rollout.py's static cache) while the trainer's pass
+On a GPU the rollout samples from a bf16 copy of the weights (lib/rollout.py's static cache) while the trainer's pass
 runs under autocast. The CPU can run the same sampler: rollout.generate under torch.autocast("cpu", bfloat16) with
 static_cache=True computes decode_step on a bf16 copy of the weights, as on a GPU (uncaptured), and the trainer's
 pass stays float32. Three arms from benchmarks/syllabus.py's SFT model of each seed, grpo.py at the syllabus's
@@ -37,7 +37,7 @@ def bf16_sampler():
     decode_step, uncaptured on the CPU), the prompts' pass under bf16 autocast too: the GPU's sampler."""
     import torch
 
-    import rollout
+    from lib import rollout
 
     plain = rollout.generate
 

@@ -157,7 +157,7 @@ def own_pairs(sft: str, folder: str, seed: int, prompts: str = "data/arithmetic"
     import torch
 
     import common
-    import rollout
+    from lib import rollout
 
     torch.manual_seed(seed)
     model, tokenizer = common.load_model(os.path.join(ROOT, sft))

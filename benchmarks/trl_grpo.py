@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import common
-import harness
+from lib import harness
 import grpo
 
 

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import rollout
+from lib import rollout
 import reward_model
 import sft
 from conftest import read_metrics, run_main

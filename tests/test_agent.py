@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agent
 import common
-import distributed
+from lib import distributed
 import grpo
-import rollout
+from lib import rollout
 from conftest import read_metrics, run, run_main
 from floats import assert_close, forward_terms
 
@@ -480,7 +480,7 @@ def test_a_price_that_float32_cannot_hold_beside_a_point_is_refused_where_settin
     """The most a completion can pay, tool_call_cost x max_completion_length (one call per token at most), must
     be at most agent.MAX_PRICE, 1e6: float32's spacing there is 1/16 of a point (2^-4 on [2^19, 2^20)), and at
     2^24 the answer's point is rounded away."""
-    import checks
+    from lib import checks
     assert float(torch.tensor(1e6 - 1.0) + 1.0) - (1e6 - 1.0) == 1.0  # a point still counts beside the bound
     assert float(torch.tensor(2.0**24) + 1.0) == 2.0**24  # beside 2^24 it is lost: why there is a bound at all
     checks.check_settings(agent.Config(tool_call_cost=1e6 / 64, max_completion_length=64))  # at the bound
@@ -501,7 +501,7 @@ def test_a_price_float32_cannot_hold_exits_1_in_one_sentence_before_loading_anyt
 
 
 def test_the_calculators_settings_are_checked_where_they_are_declared():
-    import checks
+    from lib import checks
     for name in ("max_tool_calls", "tool_call_cost"):
         assert checks.declared_check(agent.Config, name)
     with pytest.raises(SystemExit, match="--max_tool_calls must be 0 or more"):

@@ -55,8 +55,7 @@ def test_the_settings_an_evaluation_shares_with_a_run_are_the_runs():
     """best_of_n.Config declares the run's settings through harness.run_setting: the run's check (a
     bad value is the same one sentence), its help text unless the evaluation writes its own, and the
     run's default unless it names another."""
-    import checks
-    import harness
+    from lib import checks, harness
 
     with pytest.raises(SystemExit, match="--temperature must be at least 0.01"):
         checks.check_settings(best_of_n.Config(temperature=0.001))
@@ -212,7 +211,7 @@ def test_a_second_evaluation_into_a_folder_being_written_is_refused(saved_tiny, 
     """Two evaluations started at once into one new folder: the first makes and locks it (here this
     process, as far as prepare_output_dir), the second stops with one sentence instead of both saying
     "written" and one result being lost."""
-    import harness
+    from lib import harness
     from conftest import run
 
     out = str(tmp_path / "bon")

@@ -84,9 +84,9 @@ REQUIRED_FUNCTIONS = {
     "grpo.py": ["group_advantages", "kl_k3", "grpo_loss", "correctness_reward", "format_reward", "main"],
     "mix.py": ["mix_loss", "sft_loss", "load_expert_examples", "append_rows", "main"],
     "dpo.py": ["sigmoid_loss", "ipo_loss", "simpo_loss", "implicit_rewards", "rank_pairs", "main"],
-    "rollout.py": ["generate", "completion_logprobs", "gather_logprobs", "mask_after_eos"],
+    "lib/rollout.py": ["generate", "completion_logprobs", "gather_logprobs", "mask_after_eos"],
     "common.py": ["reference_model", "add_lora", "mean_denominator"],
-    "distributed.py": ["memory_estimate", "setup", "average_gradients", "shard_model", "gathered"],
+    "lib/distributed.py": ["memory_estimate", "setup", "average_gradients", "shard_model", "gathered"],
 }
 
 WHERE = re.compile(

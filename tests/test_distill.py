@@ -148,7 +148,7 @@ def test_steps_on_the_loss_bring_the_student_to_the_teacher(saved_tiny):
 
 def test_token_logprobs_hold_the_sampled_tokens_logprobs(saved_tiny):
     """The column of the sampled token in token_logprobs' [N, T, V] is rollout.completion_logprobs' [N, T]."""
-    import rollout
+    from lib import rollout
 
     _, tokenizer, model = saved_tiny
     torch.manual_seed(4)

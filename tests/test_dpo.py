@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import common
 import dpo
-import harness
+from lib import harness
 import reward_model
 from conftest import (ROOT, assert_same_run, read_metrics, rotated_reward_model, rotated_tokenizer, run_main,
                       tiny_reward_model, z_gain)

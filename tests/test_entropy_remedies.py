@@ -6,7 +6,7 @@ import torch
 import common
 import grpo
 import grpo_entropy
-import rollout
+from lib import rollout
 from floats import assert_close
 
 # Two completions of two tokens: A = +1 and -1, so mean A = 0 over the four tokens, and
@@ -202,7 +202,7 @@ def test_a_step_on_the_bonus_raises_the_policys_entropy(saved_tiny):
 ])
 def test_settings_that_cannot_act_are_refused(args, words, capsys):
     """One sentence, before anything is loaded, for a remedy that would do nothing or cannot apply."""
-    import checks
+    from lib import checks
 
     with pytest.raises(SystemExit) as stop:
         checks.check_settings(common.parse_config(grpo_entropy.Config, args))

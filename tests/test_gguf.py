@@ -16,8 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
-import harness
-import rollout
+from lib import harness, rollout
 import grpo
 import mix
 import ppo

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-import rollout
+from lib import rollout
 import grpo
 import mix
 import ppo

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import grpo
-import rollout
+from lib import rollout
 from floats import approx, assert_close
 from grpo import clip_fraction, group_advantages, grpo_loss, kl_k3
 from sft import sft_loss

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-import rollout
+from lib import rollout
 from floats import approx, assert_close, forward_terms
 import grpo
 import mix

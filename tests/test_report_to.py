@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import common
-import harness
+from lib import harness
 from conftest import ROOT, read_metrics
 
 
@@ -96,7 +96,7 @@ def test_a_tracker_whose_package_is_missing_is_one_sentence_before_anything_is_w
 
 
 def test_report_to_is_checked_with_the_other_settings():
-    import checks
+    from lib import checks
 
     with pytest.raises(SystemExit, match="--report_to"):
         checks.check_settings(StubConfig(report_to="wandb"))

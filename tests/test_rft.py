@@ -8,7 +8,7 @@ import torch
 
 import common
 import rft
-import rollout
+from lib import rollout
 import sft
 from conftest import run_main
 

@@ -4,7 +4,7 @@ import math
 import torch
 
 import common
-import rollout
+from lib import rollout
 import grpo
 import ppo
 import reward_model

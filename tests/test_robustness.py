@@ -16,10 +16,10 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-import checks
+from lib import checks
 import common
 import dpo
-import harness
+from lib import harness
 import grpo
 import mix
 import ppo
@@ -505,7 +505,7 @@ def test_every_numeric_setting_has_a_range():
 
 def test_the_runs_settings_are_declared_once():
     """The run's settings (harness.RunConfig and the two that extend it) are declared, with their
-    help and check, in harness.py only: a script's Config may change a default, never the check."""
+    help and check, in lib/harness.py only: a script's Config may change a default, never the check."""
     run_fields = {field.name for field in dataclasses.fields(harness.RLConfig)}
     for name, module in SCRIPTS.items():
         own = module.Config.__dict__["__dataclass_fields__"]
@@ -978,7 +978,7 @@ def test_a_metric_that_is_not_a_number_stops_the_run(saved_tiny, tmp_path, monke
 def test_more_processes_than_gpus_is_one_sentence(monkeypatch):
     """torchrun --nproc_per_node 2 on a machine with one GPU: rank 1 would die in CUDA's "invalid device
     ordinal" traceback; it says what is wrong instead, before it touches the GPU."""
-    import distributed
+    from lib import distributed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -1,4 +1,4 @@
-"""The rollout and the log-prob pass (rollout.py): log-probs line up with what generation sampled,
+"""The rollout and the log-prob pass (lib/rollout.py): log-probs line up with what generation sampled,
 and every speed-up computes what its plain path computes: the same tokens (greedy, up to a
 near-tie) and the same log-probs and gradients to float32 rounding."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common
-import rollout
+from lib import rollout
 from floats import assert_close, forward_terms, tolerance
 
 

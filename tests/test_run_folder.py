@@ -8,7 +8,7 @@ import os
 import pytest
 
 import common
-import harness
+from lib import harness
 from conftest import run_main
 
 SFT = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--eval_on_start", "false", "--num_eval_examples", "4",

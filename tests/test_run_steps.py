@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-import harness
+from lib import harness
 
 
 @dataclasses.dataclass

@@ -12,9 +12,9 @@ from transformers import AutoConfig
 
 import common
 import grpo
-import harness
+from lib import harness
 import ppo
-import rollout
+from lib import rollout
 from conftest import read_metrics, run_main
 from floats import approx, assert_close, forward_terms, tolerance
 
@@ -273,7 +273,7 @@ def test_with_several_updates_the_weights_read_old_logprobs():
 
 
 def test_the_corrections_settings_are_checked_together():
-    from checks import check_settings
+    from lib.checks import check_settings
 
     with pytest.raises(SystemExit):
         grpo.Config(vllm_importance_sampling_clip_max=2.0).check_together()  # without the correction

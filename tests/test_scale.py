@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import common
-import distributed
-import rollout
+from lib import distributed, rollout
 import grpo
 from conftest import ROOT, assert_same_run, built_once, read_metrics, run, run_main
 from floats import assert_close, forward_terms, tolerance

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import common
-import rollout
+from lib import rollout
 import grpo
 import sft
 from floats import approx, forward_terms

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import common
-import rollout
+from lib import rollout
 from floats import assert_close, forward_terms, tolerance
 
 

@@ -12,8 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import common  # noqa: E402
-import distributed
-import rollout
+from lib import distributed, rollout
 import grpo  # noqa: E402
 import mix  # noqa: E402
 import ppo  # noqa: E402

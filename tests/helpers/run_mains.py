@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import common  # noqa: E402
-import distributed  # noqa: E402
+from lib import distributed  # noqa: E402
 
 distributed.setup()  # the process group first, so that rank 0 alone prints the markers
 with open(sys.argv[1]) as f:

@@ -7,10 +7,10 @@ docs/troubleshooting.md says what each means, and tests/test_robustness.py's tab
 import dataclasses
 import math
 
-from distributed import log
+from lib.distributed import log
 
 
-NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes (harness.py)
+NEXT_RUN = ".next_run"  # where a run that replaces an old one writes until it finishes (lib/harness.py)
 
 
 def fail(message: str):

@@ -44,7 +44,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.utils.rnn import pad_sequence
 from transformers.cache_utils import DynamicLayer
 
-import distributed
+from lib import distributed
 
 # The KV cache goes into forward() and comes out of it as `cache` from transformers 5.24 on, which
 # deprecates the older name `past_key_values` (removed in 5.40); 5.0 to 5.23 know only that one.

@@ -1,6 +1,6 @@
 """The machinery of a training run, kept out of the scripts' loops: settings checks, the output
 folder (one writer; a failed run never damages the last good one), torchrun's processes
-(distributed.py), resumable checkpoints, the evaluation and checkpoint schedule, the NaN/inf stop,
+(lib/distributed.py), resumable checkpoints, the evaluation and checkpoint schedule, the NaN/inf stop,
 metrics.jsonl and completions.jsonl with the time of each part of a step, the progress bar, and the
 final save. A script makes one Run; its loop holds the algorithm and these calls:
 
@@ -43,11 +43,10 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import common
-import distributed
-import rollout
-from checks import NEXT_RUN, check_fsdp, check_settings, fail
+from lib import distributed, rollout
+from lib.checks import NEXT_RUN, check_fsdp, check_settings, fail
 from common import first_line, log, setting
-from distributed import full_state_dict, is_main_process
+from lib.distributed import full_state_dict, is_main_process
 
 
 TRACKERS = ("tensorboard", "trackio")  # --report_to's choices (Trackers, below)
