@@ -1,15 +1,13 @@
 """Gradient accumulation (--gradient_accumulation_steps) in grpo.py, mix.py and ppo.py: it changes memory,
-not the result."""
+not the result. (The micro-batches of every loss type add up to the step's loss: tests/test_grpo_variants.py.)"""
 
 
 import pytest
 import torch
 
-import grpo
-import mix
 import ppo
 from conftest import assert_same_update, read_metrics, run_main
-from floats import assert_close, tolerance
+from floats import assert_close
 
 
 def _rollout(seed=0, B=8, T=7):
@@ -23,47 +21,6 @@ def _rollout(seed=0, B=8, T=7):
     lengths = torch.tensor([1, 7, 2, 7, 3, 5, 1, 6])[:B]
     mask = (torch.arange(T) < lengths[:, None]).long()
     return logprobs, old, ref, advantages, mask
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_micro_batch_losses_add_up_to_the_step_loss_and_gradient(loss_type):
-    logprobs, old, ref, advantages, mask = _rollout()
-    whole = grpo.grpo_loss(logprobs, old, ref, advantages, mask, grpo.Config(beta=0.04, loss_type=loss_type))
-    (expected,) = torch.autograd.grad(whole, logprobs)
-    total, grad = 0.0, torch.zeros_like(logprobs)
-    wrong_grad = torch.zeros_like(logprobs)  # each micro-batch normalised by its own counts: the classic mistake
-    for rows in torch.arange(len(mask)).split(2):
-        args = (logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows],
-                grpo.Config(beta=0.04, loss_type=loss_type))
-        micro = grpo.grpo_loss(*args, step_mask=mask)  # divided by the whole step's counts
-        total = total + micro.detach()
-        grad += torch.autograd.grad(micro, logprobs, retain_graph=True)[0]
-        wrong_grad += torch.autograd.grad(grpo.grpo_loss(*args), logprobs)[0]
-    terms = int(mask.sum())  # every token of the step is one term of the sum
-    assert_close(total, whole.detach(), terms=terms, scale=advantages.abs().max().item())
-    assert_close(grad, expected, terms=terms)
-    assert (wrong_grad - expected).abs().max() > 1000 * tolerance(terms, expected.abs().max().item())
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_mix_micro_batches_add_up_to_the_step_loss(loss_type):
-    """MIX's per-micro-batch weights (Trinity's per_micro_batch_weight_usual / _expert): with the
-    step's masks, micro-batches that hold only usual rows, only expert rows or both add up to the
-    one-pass loss (1 - mu) * grpo(usual rows) + mu * sft(expert rows), and so do the gradients."""
-    logprobs, old, ref, advantages, mask = _rollout()
-    expert_mask = torch.tensor([False, False, False, False, False, True, True, True])
-    cfg = mix.Config(mu=0.3, beta=0.04, loss_type=loss_type)
-    whole = mix.mix_loss(logprobs, old, ref, advantages, mask, expert_mask, cfg)
-    (expected,) = torch.autograd.grad(whole, logprobs)
-    total, grad = 0.0, torch.zeros_like(logprobs)
-    for rows in torch.arange(len(mask)).split(3):  # usual | usual + expert | expert
-        micro = mix.mix_loss(logprobs[rows], old[rows], ref[rows], advantages[rows], mask[rows], expert_mask[rows],
-                             cfg, (mask, expert_mask))
-        total = total + micro.detach()
-        grad += torch.autograd.grad(micro, logprobs)[0]
-    terms = int(mask.sum())
-    assert_close(total, whole.detach(), terms=terms, scale=advantages.abs().max().item() + 1)
-    assert_close(grad, expected, terms=terms)
 
 
 @pytest.mark.slow

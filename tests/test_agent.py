@@ -302,7 +302,7 @@ def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatc
     assert len(set(default.calls.tolist())) > 1  # rows that call and rows that do not (or not as often)
 
 
-# The previous rollout (agent.py up to issue 70's item 3), kept as the reference of
+# The previous rollout (the reply prefilled, as agent.py first did it), kept as the reference of
 # test_greedy_tokens_are_the_previous_rollouts: the calculator's reply prefilled with the row's sampled token, one
 # forward pass of width 1 + the longest reply, padding holes in the cache. Not used by agent.py.
 @torch.no_grad()

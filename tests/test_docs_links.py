@@ -51,7 +51,8 @@ def test_the_readme_is_a_course_entry_point():
 # Words about how the project was made, not about what it is: a reader cannot know what "the issue" or
 # "the aim" was, and a dated aside ("down from 2050 s the day before") is a lab notebook, not a course.
 PROCESS = re.compile(r"\bthe issue\b|\bissue's\b|\bthe aim\b|as this repo had|the day before|\btoday\b|"
-                     r"\bsession\b|\bhoped\b|\btarget was\b|\bdown from\b", re.IGNORECASE)
+                     r"\bsession\b|\bhoped\b|\btarget was\b|\bdown from\b|\bissue \d|"
+                     r"\bbefore the change\b", re.IGNORECASE)
 
 
 def reader_texts():
