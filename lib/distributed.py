@@ -17,6 +17,7 @@ the data is split by process_share. The memory each layout needs is memory_estim
 """
 import atexit
 import contextlib
+import gc
 import os
 
 import torch
@@ -46,8 +47,11 @@ def setup() -> tuple[int, int]:
 def leave_group():
     """At the process's exit, leave the process group while Python is still whole. Left to the
     interpreter's own teardown, gloo's threads can abort a run that has finished its
-    work (SIGABRT, "terminate called without an active exception"; docs/troubleshooting.md)."""
+    work (SIGABRT, "terminate called without an active exception"; docs/troubleshooting.md).
+    Garbage is collected first: a sharded model's device mesh, left in a reference cycle, would
+    otherwise keep the group alive past destroy_process_group, into that teardown."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
