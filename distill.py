@@ -96,9 +96,10 @@ def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float)
     -> [N, T, V]. rollout.completion_logprobs keeps only the sampled token's column of this; distillation
     needs the whole row, for the teacher and the student alike."""
     positions = rollout.position_ids(attention_mask)  # [N, P+T]: a left-padded row's real tokens count from 0
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+    with rollout.autocast(model):  # Speed: bf16 matrix products on a GPU; nothing on the CPU
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                       logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]: position t predicts completion token t
+        return torch.log_softmax(logits.float() / temperature, dim=-1)
 
 
 def load_teacher(cfg, tokenizer, student, device):
@@ -132,11 +133,12 @@ def same_weights(a, b) -> bool:
     return weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
 
 
-def step_log(loss, accuracy, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,
+def step_log(loss, answers, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,
              sampler_logprobs) -> tuple[dict, dict]:
     """run.end_step's two arguments: the step's metrics (loss: the mean divergence per token; accuracy:
-    the checker's verdict on the student's samples, read only to watch; the sampler's gap to the trainer's
-    log-probs of the sampled tokens, [B, T] each) and what the student wrote."""
+    the checker's verdict on the student's samples against the answers, read only to watch; the sampler's
+    gap to the trainer's log-probs of the sampled tokens, [B, T] each) and what the student wrote."""
+    accuracy = torch.tensor([float(common.is_correct(c, a)) for c, a in zip(completions, answers)])  # [B]
     metrics = {"loss": loss.item(), "accuracy": accuracy.mean().item(),
                "completion_length": completion_mask.sum(1).float().mean().item(),
                "sampled_tokens": int(completion_mask.sum()), "grad_norm": grad_norm.item(),
@@ -170,7 +172,6 @@ def main(cfg: Config):
             model, tokenizer, prompts, cfg.max_completion_length, cfg.temperature,
             return_logprobs=True)  # [B, P] x 2, [B, T] x 3
         completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        right = torch.tensor([float(common.is_correct(c, a)) for c, a in zip(completions, step_data["answer"])])
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         T = completion_ids.shape[1]
@@ -180,12 +181,10 @@ def main(cfg: Config):
         loss, logprobs = 0.0, torch.zeros_like(sampler_logprobs)  # logprobs [B, T]: the sampled tokens', for the log
         for rows in torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size):  # gradient accumulation
             # 2. The teacher's distribution at each of the student's positions.
-            with torch.no_grad(), rollout.autocast(teacher):
-                teacher_logprobs = token_logprobs(teacher, input_ids[rows], attention_mask[rows], T,
-                                                  cfg.temperature)  # [n, T, V]
+            with torch.no_grad():
+                teacher_logprobs = token_logprobs(teacher, input_ids[rows], attention_mask[rows], T, cfg.temperature)
             # 3. + 4. The student's, and the divergence: its share of the step's token mean.
-            with rollout.autocast(model):
-                student_logprobs = token_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
+            student_logprobs = token_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
             micro_loss = distill_loss(student_logprobs, teacher_logprobs, completion_mask[rows], cfg.beta, num_tokens)
             micro_loss.backward()
             loss = loss + micro_loss.detach()
@@ -194,8 +193,8 @@ def main(cfg: Config):
         optimizer.step()
         scheduler.step()
 
-        run.end_step(*step_log(loss, right, completion_mask, grad_norm, scheduler, prompts, completions, logprobs,
-                               sampler_logprobs))
+        run.end_step(*step_log(loss, step_data["answer"], completion_mask, grad_norm, scheduler, prompts, completions,
+                               logprobs, sampler_logprobs))  # when due: evaluate, save
 
     run.finish(tokenizer, {"": model}, {"divergence to the teacher (per token)": ["loss"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

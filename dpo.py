@@ -494,10 +494,8 @@ def main(cfg: Config):
         # 3. The policy's log-probs, each pair's loss (KTO: each answer's), its share of the step's mean; backward.
         optimizer.zero_grad(set_to_none=True)
         step_count = common.mean_denominator(batch.weights)  # counted pairs, or answers (under torchrun: of all / N)
-        loss = 0.0  # the step's: the micro-batches' losses, each divided by the step's count, add up to it
-        logps = torch.zeros_like(lengths)  # [2B], for the metrics
-        entropy, trained = (torch.zeros_like(answer_mask, dtype=torch.float) for _ in range(2))  # [2B, T]: the
-        # policy's entropy, and (online) its log-probs of the sampled tokens, against the sampler's
+        loss, logps = 0.0, torch.zeros_like(lengths)  # the step's loss (the micro-batches' add up to it); logps [2B]
+        entropy, trained = (torch.zeros_like(answer_mask, dtype=torch.float) for _ in range(2))  # [2B, T], metrics
         for rows in micro_batches:  # one micro-batch of pairs at a time (memory); the gradients add up
             micro_logprobs, entropy[rows] = rollout.completion_logprobs_and_entropy(
                 model, batch.input_ids[rows], batch.attention_mask[rows], batch.T, temperature)  # [2b, T] each
@@ -520,8 +518,8 @@ def main(cfg: Config):
         scheduler.step()
 
         # 5. Log the metrics and (online) the samples; when due: evaluate, write the metrics line, save a checkpoint.
-        run.end_step(*step_log(cfg, batch, logps, ref_logps, z0, entropy, loss, grad_norm,
-                               scheduler.get_last_lr()[0], trained))
+        run.end_step(*step_log(cfg, batch, logps, ref_logps, z0, entropy, loss, grad_norm, scheduler.get_last_lr()[0],
+                               trained))
 
     run.finish(tokenizer, {"": model}, {"loss": ["loss"],
                                         "implicit rewards": ["rewards/chosen", "rewards/rejected", "rewards/margins"],

@@ -19,9 +19,11 @@ from it (3 steps), each at its defaults with small evaluations; then variants th
 branches (accumulation, LoRA, several updates per batch, the loss types and reward scalings, the sequence
 ratio, PPO's epochs, mini-batches, rule reward and adaptive KL, SFT on prompt / chosen data); DPO's
 branches (offline sigmoid with accumulation, IPO with LoRA, SimPO, KTO offline and online, online DPO
-judged by the checker, iterative DPO judged by the reward model) and RFT, the online ones from a 300-step
+judged by the checker, iterative DPO judged by the reward model), RFT and distillation (the 40-step SFT
+taught by the 300-step one), the online ones from a 300-step
 SFT that is right some of the time (the 40-step one wrote no right answer in 384 samples: every pair
-tied, and RFT kept nothing); and GRPO under torchrun, data-parallel and sharded.
+tied, and RFT kept nothing); Clip-Cov and KL-Cov (grpo_entropy.py, KL-Cov with the sampler's
+correction); and GRPO under torchrun, data-parallel and sharded.
 """
 import argparse
 import hashlib
@@ -88,6 +90,13 @@ def runs(out: str, quick: bool) -> list[tuple[str, list[str]]]:
                            "true", "--judge", rm, "--steps_per_generation", "2", "--save_steps", "2",
                            "--per_device_train_batch_size", "32", "--log_completions_steps", "1"]),
         ("rft", ["rft.py", "--model", weak, *short, "--log_completions_steps", "1"]),
+        ("distill", ["distill.py", "--model", sft, "--teacher_model_name_or_path", weak, *short,
+                     "--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "8",
+                     "--log_completions_steps", "1"]),
+        ("grpo_kl_cov", ["grpo_entropy.py", "--model", sft, *short, "--loss_mode", "kl_cov", "--num_iterations", "2",
+                         "--vllm_importance_sampling_correction", "true", "--per_device_train_batch_size", "64"]),
+        ("grpo_clip_cov", ["grpo_entropy.py", "--model", sft, *short, "--loss_mode", "clip_cov",
+                           "--clip_cov_ratio", "0.02", "--per_device_train_batch_size", "64"]),
     ]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517"]
     parallel = [
