@@ -6,8 +6,8 @@ call, `<calc>47+85</calc>`; the rollout stops at the closing tag, the calculator
 episode of several turns:
 
     <think><calc>47+85</calc><result>132</result></think><answer>132</answer><EOS>
-    ^^^^^^^^^^^^^^^^^^^^^^^^^                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^  the policy's actions
-                             ^^^^^^^^^^^^^^^^^^                                    the calculator's (reply_mask 1)
+    ^^^^^^^^^^^^^^^^^^^^^^^^^                    ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^  the policy's actions
+                             ^^^^^^^^^^^^^^^^^^^^                                   the calculator's (reply_mask 1)
 
 (With a tokenizer whose one token '><' closes the call and opens the reply, as SmolLM2's, the reply's first
 '<' is the policy's token, and the calculator's tokens start after it: tool_reply.)
@@ -31,7 +31,7 @@ One training step, grpo.py's five with two changes (marked in main()'s loop):
   5. grpo.grpo_loss on the policy's tokens only: mask = completion_mask x (1 - reply_mask)  (action_mask)
 
 The calculator's reply is written as the policy's tokens are, one token per row per step through the
-same one-token forward pass (forced from a per-row queue, without a sample: nanochat's engine), so the
+same one-token forward pass (forced from a per-row queue, as in nanochat's engine, nanochat/engine.py), so the
 rollout has rollout.generate's speed-ups, the static cache of a CUDA GPU included.
 
 Every GRPO setting of grpo.py works here (loss types, advantage estimators, clip ranges, LoRA,
@@ -51,17 +51,17 @@ from dataclasses import dataclass
 import torch
 
 import common
-from lib import distributed
 import grpo
 from common import setting
-from lib import harness, rollout
+from lib import distributed, harness, rollout
 from data.make_data import problem_kind
 
 KINDS = ("carry", "no carry", "borrow", "no borrow", "negative")  # data/make_data.py's problem_kind
-# The most a completion may pay for its calls. Rewards and advantages are float32: the points (multiples of 1/4)
-# stay exact up to 2^22, but the group's mean and standard deviation lose about 0.02 of an advantage at 1e6, and
-# more above it; at 2^24 (1.7e7) float32's spacing is 2 points, and the answer's point is gone.
-MAX_PRICE = 1e6
+# The most a completion may pay for its calls. Rewards and advantages are float32, and beside a large price the
+# group's mean and standard deviation round the points away. Groups of 8 whose every reward is offset by the price
+# (5,000 each, the points and up to 2 calls at a price drawn in [0.1, 1.1)): advantages within 0.0034 of float64's
+# at 1e4, 0.05 at 1e5 and 0.44 at 1e6 (tests/test_agent.py's advantage_error).
+MAX_PRICE = 1e4
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Config(grpo.Config):
     (0: every call refused, GRPO without the calculator)"""
     tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """reward taken off per call (refused calls too): the price of asking. A completion makes at most one call per
-    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e6: rewards and
+    token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e4: rewards and
     advantages are float32, and beside a larger price the answer's and format's points are lost to rounding"""
     model: str = "out/sft_tool"
     output_dir: str = "out/agent"
@@ -86,7 +86,7 @@ class Config(grpo.Config):
             common.fail(f"--tool_call_cost x --max_completion_length ({self.tool_call_cost:g} x "
                         f"{self.max_completion_length}), the most a completion can pay for its calls, must be at most "
                         f"{MAX_PRICE:g}: rewards and advantages are float32, and beside a larger price the answer's "
-                        "and the format's points are rounded away (at 1e6 the advantages already move by about 0.02)")
+                        "and the format's points are rounded away (at 1e5 the advantages move by up to 0.05)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,14 +170,17 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
     the environment's turn inside it. After a row's token, the calculator reads the row's own text
     (policy_text); if it closes a call (tool_reply), the reply's tokens wait in the row's queue, and at
     each of the next steps the row writes the queue's next token instead of a sample: forced, reply_mask 1,
-    no sample and log-prob 0 (nanochat's engine does the same). Every step is the same one-token forward
+    no sample and log-prob 0 (nanochat's engine keeps such a queue per row, RowState.forced_tokens, but
+    samples every row and then overwrites the forced ones). Every step is the same one-token forward
     for every row, so each completion is contiguous, and the log-prob pass over [prompt | completion]
     sees the positions the sampler saw. The token budget counts the calculator's tokens: a reply is cut
     at max_new_tokens, and a call closed on the last token gets none.
     The speed-ups are rollout.generate's (share_prompts, drop_finished, grow_in_place, static_cache: on by
-    default on a CUDA GPU), and only_after_gt: a row's text is read for a call only after a token holding
-    '>' (tokens_with_gt). Each switched off gives the same tokens, greedy or sampled from the same seed: the
-    sampler draws for the same rows on every path, those the policy writes for (tests/test_agent.py)."""
+    default on a CUDA GPU, for the decoders rollout.static_cache_refusal accepts), and only_after_gt: a row's
+    text is read for a call only after a token holding '>' (tokens_with_gt). On the CPU, each switched off
+    gives the same tokens, greedy or sampled from the same seed: the sampler draws for the same rows on every
+    path, those the policy writes for (tests/test_agent.py). On a GPU the static cache decodes from a bf16
+    copy of the weights: the same greedy tokens up to near-ties, sampled ones from the same distribution."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)

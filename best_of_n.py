@@ -45,9 +45,8 @@ import torch
 from tqdm import tqdm
 
 import common
-from lib import distributed, harness
 import reward_model
-from lib import rollout
+from lib import distributed, harness, rollout
 from lib.checks import check_settings
 from common import setting
 

@@ -3,9 +3,10 @@ loading (a folder, a hub id, a LoRA adapter, a .gguf file), LoRA and its referen
 (GSM8K's schema, loaded and checked with the policy in load_policy_and_prompts) and the chat prompt,
 the answer checker, the denominator of a token mean, the learning-rate schedule and held-out evaluation.
 
-Each algorithm (SFT, reward model, PPO, GRPO, MIX, DPO and KTO, RFT) lives in its own script, as does
-best-of-N sampling (best_of_n.py); the rollout and the log-prob pass in lib/rollout.py. What a training run
-needs that is not the algorithm lives apart: lib/harness.py (output folder, checkpoints, logging),
+Each algorithm (SFT, reward model, PPO, GRPO, MIX, DPO and KTO, RFT, on-policy distillation, GRPO with a
+calculator, GRPO with Clip-Cov/KL-Cov) lives in its own script, as does best-of-N sampling (best_of_n.py);
+the rollout and the log-prob pass in lib/rollout.py. What a training run needs that is not the algorithm
+lives apart: lib/harness.py (output folder, checkpoints, logging),
 lib/distributed.py (several processes), lib/checks.py (bad input: one sentence).
 """
 import argparse

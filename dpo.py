@@ -36,10 +36,9 @@ import torch
 import torch.nn.functional as F
 
 import common
-from lib import distributed, harness
 import reward_model
 from common import setting
-from lib import rollout
+from lib import distributed, harness, rollout
 
 LOSS_TYPES = ("sigmoid", "ipo", "simpo", "kto")  # TRL's names: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo,
 #                                                  KTOTrainer's kto

@@ -84,7 +84,7 @@ class Config(harness.PolicyGradientConfig):
     ratios (GSPO; it wants a far smaller clip range, e.g. --epsilon 3e-4 --epsilon_high 4e-4)"""
     beta: float = setting(0.04, lambda v: v >= 0, "0 or more")
     """weight of the KL penalty to the reference policy (0 = no reference model); 0.04 is DeepSeekMath's (section 4.2),
-    where TRL 1.16 defaults to 0.0, loss_type dapo, learning_rate 1e-6, use_bias_correction_kl: set them to compare"""
+    where TRL 1.16 defaults to 0.0, loss_type dapo, lr 1e-6 and use_bias_correction_kl True: set them to compare"""
     advantage_estimator: str = setting("grpo", lambda v: v in ADVANTAGE_ESTIMATORS,
                                        "one of " + ", ".join(ADVANTAGE_ESTIMATORS))
     """step 3, each reward against a baseline from its group (see advantages_of): 'grpo' (r - group mean) / std as
@@ -106,7 +106,7 @@ class Config(harness.PolicyGradientConfig):
     """completions cut off at max_completion_length (no EOS) carry no loss (DAPO's overlong filtering)"""
     entropy_coeff: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """an entropy bonus (verl's name and default): the loss minus entropy_coeff x the policy's entropy, averaged as the
-    token losses are (see grpo_loss); its graph is kept for the backward, a [B*G, T, V] tensor more in memory"""
+    token losses are (see grpo_loss); its graph is kept for the backward, a [micro-batch rows, T, V] tensor more"""
     # the run's settings (lib/harness.py) at GRPO's defaults
     output_dir: str = "out/grpo"
     per_device_train_batch_size: int = 128
@@ -120,9 +120,9 @@ class Config(harness.PolicyGradientConfig):
             common.fail(f"--per_device_train_batch_size x --gradient_accumulation_steps ({rows_per_step}) must be a "
                         f"multiple of --num_generations ({self.num_generations})")
         if self.loss_type == "cispo" and ((self.epsilon_high or 0) < 1 or self.importance_sampling_level != "token"):
-            common.fail("--loss_type cispo weighs each token by its ratio capped at --epsilon_high, an absolute cap of "
-                        "1 or more (MiniMax-M1 and TRL suggest 5.0; below 1 it lowers every weight, even at ratio 1): "
-                        "set it, and keep --importance_sampling_level token")
+            common.fail("--loss_type cispo weighs each token by its ratio capped at --epsilon_high, an absolute cap "
+                        "of 1 or more (ScaleRL, arXiv 2510.13786, and TRL suggest 5.0; below 1 it lowers every weight, "
+                        "even at ratio 1): set it, and keep --importance_sampling_level token")
         if self.changed("max_sampling_rounds") and not self.dynamic_sampling:
             common.fail("--max_sampling_rounds limits DAPO's dynamic sampling: add --dynamic_sampling true, or leave "
                         "it out")
@@ -256,13 +256,14 @@ def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=
     """The loss from the real tokens' losses (per_token, mask [N, T]) by loss_type (TRL's names; docs/grpo.md's table):
     'grpo' each completion's mean, then their mean; 'bnpo' one mean over the micro-batch's tokens; 'dapo', 'cispo' one
     mean over the step's tokens; 'dr_grpo' the sum / (completions x max_completion_length). step_mask: the step's mask
-    (every process's), whose counts divide: the micro-batches' losses add up to the step's ('bnpo': / micro-batches)."""
+    (every process's), whose counts divide: the micro-batches' losses add up to the step's ('bnpo': each micro-batch's
+    mean weighted by its share of the step's rows, a plain average of them when the micro-batches are equal)."""
     mask = mask.bool()
     step_mask = mask if step_mask is None else step_mask
     sequences = len(step_mask)
     if loss_type == "grpo":
         return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).sum() / sequences  # completions' means, averaged
-    if loss_type == "bnpo":  # each micro-batch's own token mean, averaged over the step's micro-batches
+    if loss_type == "bnpo":  # each micro-batch's own token mean, weighted by its share of the step's rows
         return per_token.sum() / mask.sum().clamp(min=1) / (sequences / len(mask))
     if loss_type in ("dapo", "cispo"):
         return per_token.sum() / common.mean_denominator(step_mask)

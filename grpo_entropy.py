@@ -1,8 +1,9 @@
 """GRPO with Cui et al. 2025's remedies for a collapsing entropy: Clip-Cov and KL-Cov (verl's loss_mode).
 
-grpo.py plus one idea ("The Entropy Mechanism of RL for Reasoning LMs", section 4): a policy-gradient step
-lowers the policy's entropy by about lr x Cov(log pi(a), A(a)), and a few tokens carry most of that
-covariance, so act on those tokens only. Each remedy is a per-token loss in place of grpo.py's, on the
+grpo.py plus one idea ("The Entropy Mechanism of RL for Reasoning LMs": the dynamics in section 3, the
+remedies in section 4): a natural policy-gradient step on a softmax policy lowers its entropy by about
+lr x Cov(log pi(a), A(a)) (a vanilla one by lr x Cov(log pi(a), pi(a) A(a))), and a few tokens carry most of
+that covariance, so act on those tokens only. Each remedy is a per-token loss in place of grpo.py's, on the
 tokens of a micro-batch picked by their covariance (covariance_tokens):
 
     clip_cov   a random few of the tokens whose covariance lies in (lb, ub) lose their loss and gradient
@@ -23,7 +24,8 @@ b178a3c; docs/grpo.md#an-aggressive-setting-and-four-remedies):
     KL-Cov's penalty is not weighted, where verl multiplies its whole per-token loss, penalty included;
   - a token Clip-Cov picks loses its KL term too (beta x k3 is part of grpo.py's token loss), where verl
     keeps its KL loss apart and the token keeps it;
-  - --kl_cov_ratio defaults to the paper's 2e-3 (its 7B runs), where verl's config has 2e-4 (its 32B).
+  - --kl_cov_ratio defaults to 2e-3, the paper's 7B script's (verl's recipe/entropy/7b_kl_cov.sh), where
+    verl's config file has 2e-4.
 """
 from dataclasses import dataclass
 
@@ -54,7 +56,7 @@ class Config(grpo.Config):
     """with --loss_mode clip_cov: ... and below this (the paper's 5)"""
     kl_cov_ratio: float = setting(2e-3, lambda v: 0 < v <= 1, "in (0, 1]")
     """with --loss_mode kl_cov: the share of a micro-batch's tokens, those of highest covariance, that pay the
-    penalty (at least 1; the paper's 2e-3 for 7B models, 2e-4 for 32B)"""
+    penalty (at least 1; 2e-3 in the paper's 7B script, verl's recipe/entropy/7b_kl_cov.sh)"""
     ppo_kl_coef: float = setting(1.0, lambda v: v > 0, "positive")
     """with --loss_mode kl_cov: the penalty's weight on |log pi - log pi_old| (the paper's scripts' 1; verl's
     config file has 0.1)"""
@@ -78,9 +80,9 @@ class Config(grpo.Config):
 
 def token_covariance(logprobs, advantages, mask) -> torch.Tensor:
     """Each token's share of the covariance that drives the entropy (Cui et al. 2025, section 3): for a softmax
-    policy, a policy-gradient step changes the entropy by about -lr x Cov(log pi(a), A(a)), so tokens the policy
-    is already sure of (high logp) with a positive advantage, and unlikely ones with a negative advantage, drive
-    it down. Per token i over the real tokens:
+    policy, a natural policy-gradient step changes the entropy by about -lr x Cov(log pi(a), A(a)) (a vanilla
+    one by -lr x Cov(log pi(a), pi(a) A(a))), so tokens the policy is already sure of (high logp) with a positive
+    advantage, and unlikely ones with a negative advantage, drive it down. Per token i over the real tokens:
 
         cov_i = (A_i - mean A) (logp_i - mean logp)        (means over the micro-batch's real tokens)
 

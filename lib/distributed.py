@@ -48,8 +48,8 @@ def leave_group():
     """At the process's exit, leave the process group while Python is still whole. Left to the
     interpreter's own teardown, gloo's threads can abort a run that has finished its
     work (SIGABRT, "terminate called without an active exception"; docs/troubleshooting.md).
-    Garbage is collected first: a sharded model's device mesh, left in a reference cycle, would
-    otherwise keep the group alive past destroy_process_group, into that teardown."""
+    Garbage is collected first, so that a sharded model's device meshes (10 at the end of a --fsdp run,
+    in reference cycles) are freed before the group goes, not during the teardown."""
     if dist.is_initialized():
         gc.collect()
         dist.destroy_process_group()

@@ -402,6 +402,8 @@ class Run:
                            for name, value in self.scores.items() if name != "n")
         log(f"saved to {self.cfg.output_dir}; held-out {change} (n={self.scores['n']}); "
             f"curves in {os.path.join(self.cfg.output_dir, png)}")
+        if dist.is_initialized():
+            dist.barrier()  # no process exits before rank 0 has moved the run in (an abort at exit harms nothing)
 
     def end_step(self, metrics: dict | None = None, completions: dict | None = None):
         """The work after a step's update, the loop's last line: the step's metrics, if given, logged

@@ -16,10 +16,9 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from lib import checks
 import common
 import dpo
-from lib import harness
+from lib import checks, harness
 import grpo
 import mix
 import ppo

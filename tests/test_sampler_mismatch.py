@@ -12,9 +12,8 @@ from transformers import AutoConfig
 
 import common
 import grpo
-from lib import harness
 import ppo
-from lib import rollout
+from lib import harness, rollout
 from conftest import read_metrics, run_main
 from floats import approx, assert_close, forward_terms, tolerance
 
