@@ -280,6 +280,9 @@ SWITCHED_OFF = [{"share_prompts": False}, {"drop_finished": False}, {"grow_in_pl
                  "static_cache": False}]  # the plain loop
 
 
+DEFAULT_EPISODES = {}  # (model folder, greedy) -> the default path's episodes, made once for the six switch settings
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("switches", SWITCHED_OFF)
 def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatch, switches, greedy):
@@ -291,8 +294,10 @@ def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatc
     path, tokenizer, _ = saved_tiny
     model = rigged_model(monkeypatch, path, tokenizer)
     prompts = [common.make_prompt(tokenizer, q) for q in QUESTIONS]
-    torch.manual_seed(1)
-    default = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy)
+    if (path, greedy) not in DEFAULT_EPISODES:  # Speed: the default path is the same in all six, computed once
+        torch.manual_seed(1)
+        DEFAULT_EPISODES[path, greedy] = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy)
+    default = DEFAULT_EPISODES[path, greedy]
     torch.manual_seed(1)
     other = agent.generate_with_tools(model, tokenizer, prompts, 200, 2, 0.1, greedy, **switches)
     for name in ("completion_ids", "completion_mask", "reply_mask", "calls"):
