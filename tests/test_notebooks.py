@@ -2,8 +2,9 @@
 
 The notebooks are executed in memory, so their committed outputs are never rewritten. The
 checkpoints they train (notebooks/helpers.py) go to a temporary folder, which starts with the
-suite's SFT policy and reward model (the same runs); the notebooks reuse them. They run in order in
-one test, as a reader runs them, which one worker of `-n 2` runs while the other runs other tests.
+suite's SFT policy and reward model (the same runs); the notebooks reuse them. Notebooks 01 to 08 run in
+order in one test, as a reader runs them, and notebook 09, which trains its own start, in another, so
+the two workers of `-n 2` can run them side by side.
 """
 import glob
 import os
@@ -46,9 +47,22 @@ def notebook_out(tmp_path, sft_checkpoint, rm_checkpoint):
     return out
 
 
+AGENT = os.path.join(ROOT, "notebooks", "09_agent.ipynb")  # trains its own start (SFT on data/tool_demos)
+
+
 def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
-    monkeypatch.setenv("RLHF_NOTEBOOKS_OUT", notebook_out)  # the kernel inherits it
-    for path in NOTEBOOKS:
+    """Notebooks 01 to 08 in order, as a reader runs them (each may reuse the checkpoints of those before)."""
+    run_notebooks([path for path in NOTEBOOKS if path != AGENT], notebook_out, monkeypatch)
+
+
+def test_the_agent_notebook_runs(tmp_path, monkeypatch):
+    """Notebook 09 needs no other notebook's checkpoint, so it runs apart: under `-n 2` beside the others."""
+    run_notebooks([AGENT], str(tmp_path / "notebooks_out"), monkeypatch)
+
+
+def run_notebooks(paths: list[str], out: str, monkeypatch):
+    monkeypatch.setenv("RLHF_NOTEBOOKS_OUT", out)  # the kernel inherits it
+    for path in paths:
         nb = nbformat.read(path, as_version=4)
         # The "python3" kernel of the interpreter running the tests (ipykernel's own spec), not whatever
         # kernel of that name another Jupyter installation registered.
