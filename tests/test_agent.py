@@ -1,6 +1,6 @@
 """agent.py: the calculator and its refusals, the rollout with the calculator's turns (the forced tokens,
-the budget, the mask; the same greedy tokens as the previous rollout, and with each speed-up switched off),
-the loss that leaves the calculator's tokens out, and a run."""
+the budget, the mask; the same greedy tokens as a rollout that prefills the reply, and with each speed-up
+switched off), the loss that leaves the calculator's tokens out, and a run."""
 import random
 import re
 
@@ -254,15 +254,16 @@ def rigged_model(monkeypatch, path, tokenizer, strength: float = 1.5):
 
 
 @pytest.mark.parametrize("budget", [60, 200])  # replies cut by the budget; every row ends (EOS at different steps)
-def test_greedy_tokens_are_the_previous_rollouts(saved_tiny, monkeypatch, budget):
+def test_greedy_tokens_are_the_prefill_rollouts(saved_tiny, monkeypatch, budget):
     """The forced tokens change the arithmetic (a reply's keys and values computed a token a step, not in one
     prefill beside padding), not the episodes: greedy, the same tokens, replies, calls and masks as the
-    previous rollout (previous_generate_with_tools, below), and the sampler's log-probs within rounding."""
+    rollout that prefills the reply (prefill_generate_with_tools, below), and the sampler's log-probs within
+    rounding."""
     path, tokenizer, _ = saved_tiny
     model = rigged_model(monkeypatch, path, tokenizer)
     prompts = [common.make_prompt(tokenizer, q) for q in QUESTIONS]
     new = agent.generate_with_tools(model, tokenizer, prompts, budget, 2, greedy=True)
-    old = previous_generate_with_tools(model, tokenizer, prompts, budget, 2, greedy=True)
+    old = prefill_generate_with_tools(model, tokenizer, prompts, budget, 2, greedy=True)
     for name in ("completion_ids", "completion_mask", "reply_mask", "calls"):
         assert torch.equal(getattr(new, name), getattr(old, name)), name
     assert torch.allclose(new.sampler_logprobs, old.sampler_logprobs, atol=1e-5)
@@ -306,11 +307,11 @@ def test_each_speed_up_switched_off_takes_the_same_tokens(saved_tiny, monkeypatc
     assert len(set(default.calls.tolist())) > 1  # rows that call and rows that do not (or not as often)
 
 
-# The previous rollout (the reply prefilled, as agent.py first did it), kept as the reference of
-# test_greedy_tokens_are_the_previous_rollouts: the calculator's reply prefilled with the row's sampled token, one
+# A rollout that prefills the reply, kept as the reference of
+# test_greedy_tokens_are_the_prefill_rollouts: the calculator's reply prefilled with the row's sampled token, one
 # forward pass of width 1 + the longest reply, padding holes in the cache. Not used by agent.py.
 @torch.no_grad()
-def previous_generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
+def prefill_generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: int, max_tool_calls: int,
                                  temperature: float = 1.0, greedy: bool = False) -> agent.Episodes:
     """Episodes with the calculator: rollout.generate's loop (KV cache, a token per row per step) with
     the environment's turn inside it. After each step, a row whose own text closes a call (tool_reply) gets
