@@ -124,7 +124,7 @@ CASES = [
     (["grpo.py"], ["--scale_rewards", "std"], "--scale_rewards must be one of group, batch, none"),
     (["grpo.py"], ["--importance_sampling_level", "seq"], "--importance_sampling_level must be one of token, sequence"),
     (["grpo.py", "mix.py"], ["--epsilon_high", "0"], "--epsilon_high must be positive"),
-    (["grpo.py"], ["--loss_type", "cispo", "--epsilon_high", "0.5"], "0.5 is below 1 and lowers every token's weight"),
+    (["grpo.py"], ["--loss_type", "cispo", "--epsilon_high", "0.5"], "an absolute cap of 1 or more"),
     (["grpo.py"], ["--max_sampling_rounds", "8"], "--max_sampling_rounds limits DAPO's dynamic sampling"),
     (["dpo.py"], ["--judge", "out/rm"], "--judge ranks online DPO's own samples: add --online true"),
     (["ppo.py", "grpo.py", "mix.py", "dpo.py"], ["--temperature", "1e-9"], "--temperature must be at least 0.01"),

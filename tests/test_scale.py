@@ -82,7 +82,8 @@ def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
     Each process writes its own file (two processes printing to one pipe interleave their lines)."""
     script = tmp_path / "join_and_exit.py"
     script.write_text(
-        f"import atexit, os, sys\nsys.path.insert(0, {ROOT!r})\nimport torch.distributed as dist\nimport distributed\n"
+        f"import atexit, os, sys\nsys.path.insert(0, {ROOT!r})\nimport torch.distributed as dist\n"
+        "from lib import distributed\n"
         f"report = open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w')\n"
         "atexit.register(lambda: (report.write(f'in a group at exit: {dist.is_initialized()}'), report.close()))\n"
         "report.write(f'rank, world size: {distributed.setup()}; ')\n")
