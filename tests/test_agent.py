@@ -502,9 +502,11 @@ def test_a_price_that_float32_cannot_hold_beside_a_point_is_refused_where_settin
     comment, 5,000 groups), at 1e5 by up to 0.05 and at 1e6 by up to 0.44."""
     from lib import checks
     assert agent.MAX_PRICE == 1e4
-    assert advantage_error(1e4, 5000) < 0.0035
-    assert 0.04 < advantage_error(1e5, 5000) < 0.06
-    assert advantage_error(1e6, 5000) > 0.4
+    # Bounds with room for another CPU's summation order (measured here: 0.0034, 0.050, 0.44); each fails if the
+    # bound moves to the next power of ten, or float32 stops losing the points beside a large price.
+    assert advantage_error(1e4, 5000) < 0.01
+    assert 0.02 < advantage_error(1e5, 5000) < 0.1
+    assert advantage_error(1e6, 5000) > 0.2
     checks.check_settings(agent.Config(tool_call_cost=1e4 / 64, max_completion_length=64))  # at the bound
     with pytest.raises(SystemExit, match=r"--tool_call_cost x --max_completion_length \(100 x 128\), the most"):
         checks.check_settings(agent.Config(tool_call_cost=100, max_completion_length=128))
