@@ -82,13 +82,13 @@ def generalized_jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     return beta * kl(teacher_logprobs, log_m) + (1 - beta) * kl(student_logprobs, log_m)
 
 
-def distill_loss(student_logprobs, teacher_logprobs, mask, beta: float, num_tokens=None) -> torch.Tensor:
+def distill_loss(student_logprobs, teacher_logprobs, mask, beta: float, step_mask=None) -> torch.Tensor:
     """Step 4: the token mean of generalized_jsd over the completion tokens (mask [N, T], 1 on real ones,
-    the EOS included), as TRL's: the sum divided by num_tokens, the step's count of completion tokens (this
-    micro-batch's by default), so the micro-batches' losses add up to the step's."""
+    the EOS included), as TRL's: the sum divided by the count of step_mask's tokens, the step's completion
+    mask [B, T] (this micro-batch's mask by default), so the micro-batches' losses add up to the step's."""
     mask = mask.bool()
     per_token = torch.where(mask, generalized_jsd(student_logprobs, teacher_logprobs, beta), 0.0)  # [N, T]
-    return per_token.sum() / (common.mean_denominator(mask) if num_tokens is None else num_tokens)
+    return per_token.sum() / common.mean_denominator(mask if step_mask is None else step_mask)
 
 
 def token_logprobs(model, input_ids, attention_mask, T: int, temperature: float) -> torch.Tensor:
@@ -175,7 +175,6 @@ def main(cfg: Config):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         T = completion_ids.shape[1]
-        num_tokens = common.mean_denominator(completion_mask)  # the step's completion tokens (of every process)
 
         optimizer.zero_grad(set_to_none=True)
         loss, logprobs = 0.0, torch.zeros_like(sampler_logprobs)  # logprobs [B, T]: the sampled tokens', for the log
@@ -185,7 +184,8 @@ def main(cfg: Config):
                 teacher_logprobs = token_logprobs(teacher, input_ids[rows], attention_mask[rows], T, cfg.temperature)
             # 3. + 4. The student's, and the divergence: its share of the step's token mean.
             student_logprobs = token_logprobs(model, input_ids[rows], attention_mask[rows], T, cfg.temperature)
-            micro_loss = distill_loss(student_logprobs, teacher_logprobs, completion_mask[rows], cfg.beta, num_tokens)
+            micro_loss = distill_loss(student_logprobs, teacher_logprobs, completion_mask[rows], cfg.beta,
+                                      step_mask=completion_mask)
             micro_loss.backward()
             loss = loss + micro_loss.detach()
             logprobs[rows] = student_logprobs.detach().gather(2, completion_ids[rows, :, None]).squeeze(2)
