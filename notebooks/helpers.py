@@ -18,6 +18,11 @@ import reward_model
 import sft
 
 OUT = os.environ.get("RLHF_NOTEBOOKS_OUT", "out/notebooks")
+# Unset for a reader. The test suite (tests/test_notebooks.py) sets it to check that every cell runs without the
+# minutes of training: each run a notebook makes stops at that many steps, its evaluation at the last step kept.
+# The checkpoints they start from (checkpoint() below) are trained in full: notebook 09's cells read the calls
+# its SFT policy makes.
+MAX_STEPS = int(os.environ.get("RLHF_NOTEBOOKS_MAX_STEPS", "0"))
 
 # 300 SFT steps (~1 min on 2 cores): the answer format is learned and greedy decoding gets about half of the sums right,
 # so RL groups hold both right and wrong answers. (The README's full run is 700 steps.)
@@ -31,11 +36,14 @@ TOOL_SFT_CONFIG = sft.Config(dataset="data/tool_demos", max_steps=300, eval_step
                              output_dir=f"{OUT}/sft_tool")
 
 
-def run(main, cfg):
+def run(main, cfg, capped=True):
     """A script's main(cfg), then the notebook's own matplotlib backend back
     (harness.plot_metrics switches to Agg to write its PNG, which would hide the inline plots).
     A notebook run again replaces its earlier run (--overwrite_output_dir)."""
     backend = matplotlib.get_backend()
+    if MAX_STEPS and capped:
+        cfg = dataclasses.replace(cfg, max_steps=min(cfg.max_steps, MAX_STEPS),
+                                  eval_steps=min(cfg.eval_steps, MAX_STEPS))
     main(dataclasses.replace(cfg, overwrite_output_dir=True))
     matplotlib.use(backend)
     return cfg.output_dir
@@ -46,7 +54,7 @@ def checkpoint(main, cfg):
     if os.path.isfile(os.path.join(cfg.output_dir, "model.safetensors")):
         print(f"reusing {cfg.output_dir} (delete it to train it again)")
         return cfg.output_dir
-    return run(main, cfg)
+    return run(main, cfg, capped=False)
 
 
 def sft_policy():

@@ -47,6 +47,9 @@ def notebook_out(tmp_path, sft_checkpoint, rm_checkpoint):
     return out
 
 
+# Every training run of a notebook stops at this step (notebooks/helpers.py): the cells are what is tested
+# here, and a run's plots, tables and checks read a 10-step run as they read the full one.
+MAX_STEPS = 10
 AGENT = os.path.join(ROOT, "notebooks", "09_agent.ipynb")  # trains its own start (SFT on data/tool_demos)
 
 
@@ -62,6 +65,7 @@ def test_the_agent_notebook_runs(tmp_path, monkeypatch):
 
 def run_notebooks(paths: list[str], out: str, monkeypatch):
     monkeypatch.setenv("RLHF_NOTEBOOKS_OUT", out)  # the kernel inherits it
+    monkeypatch.setenv("RLHF_NOTEBOOKS_MAX_STEPS", str(MAX_STEPS))
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         # The "python3" kernel of the interpreter running the tests (ipykernel's own spec), not whatever
