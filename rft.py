@@ -7,16 +7,17 @@ advantage, no ratio, no reference model. One step:
   1. rollout: k answers to each of B prompts from the current policy     completion_ids [B*k, T]
   2. judge: the checker accepts or rejects each one (common.is_correct)   accepted [B*k]
   3. keep: every accepted answer (--keep all, ReST-EM's E-step), or the first accepted one of each
-     prompt (--keep first: RAFT's best of k, with a judge that only says right or wrong)
+     prompt (--keep first: RAFT's best of k, with a judge that only says right or wrong; a prompt with
+     no accepted answer keeps none, where RAFT keeps its top-reward sample whatever its reward)
   4. SFT step on the kept answers: the token-mean NLL of sft.py (sft.sft_loss); backward(), one AdamW step
 
-Why it is policy gradient (ReST-EM, section 3): with reward r(y) = 1 for an accepted answer and 0
-otherwise, the REINFORCE estimate sum_y r(y) grad log pi(y|x) over the samples is the gradient of
-the log-likelihood of the accepted samples: the SFT gradient on the kept answers points the same
-way, scaled (sft_loss divides by the kept tokens, REINFORCE by the samples), and with --keep first
-it is not REINFORCE's estimator (tests/test_rft.py). What it leaves
-out against GRPO: a baseline (a wrong answer is never pushed down, a right one is pulled up however
-easy its prompt), the clip, and the KL term. Its only guard against drifting is that it imitates
+ReST-EM derives it as EM (section 3: the E-step filters, the M-step is a weighted NLL). It is also a policy-gradient
+step: with reward r(y) = 1 for an accepted answer and 0 otherwise, the REINFORCE estimate sum_y r(y) grad log pi(y|x)
+over the samples is the gradient of the log-likelihood of the accepted samples: the SFT gradient on the kept answers
+points the same way, scaled (sft_loss divides by the kept tokens, REINFORCE by the samples; tests/test_rft.py), and
+with --keep first it is not REINFORCE's estimator (a kept answer stands for the others). What it leaves out against
+GRPO: a baseline (a wrong answer is never pushed down, a right one is pulled up however easy its prompt), the clip,
+and the KL term. Its only guard against drifting is that it imitates
 answers the checker accepts.
 
     python sft.py && python rft.py                       # out/sft -> out/rft, 128 samples a step, as grpo.py
@@ -48,7 +49,8 @@ class Config(harness.RLConfig):
     # the run's settings (lib/harness.py) at this script's defaults: grpo.py's, so both sample as much per step
     output_dir: str = "out/rft"
     per_device_train_batch_size: int = 128
-    """answers sampled per step (prompts per step x num_generations); the SFT step's micro-batch is as many rows"""
+    """rows of one micro-batch: a step samples per_device_train_batch_size x gradient_accumulation_steps answers
+    (prompts per step x num_generations), and its SFT step takes the kept ones this many rows at a time"""
 
     def check_together(self):
         rows_per_step = self.per_device_train_batch_size * self.gradient_accumulation_steps
@@ -75,7 +77,8 @@ def keep_mask(accepted: torch.Tensor, num_generations: int, keep: str) -> torch.
 def step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts: list, completions: list,
              gap: dict) -> tuple[dict, dict]:
     """run.end_step's two arguments: the step's metrics (accuracy: of the samples, as grpo.py's; kept:
-    the share imitated; gap: rollout.sampler_mismatch over the kept answers) and what the policy wrote
+    the share imitated; gap: rollout.sampler_mismatch over the kept answers, logged at --temperature 1 only,
+    where the sampler's distribution is the one the SFT loss reads) and what the policy wrote
     (completions.jsonl's columns)."""
     metrics = {"loss": loss.item(), "accuracy": accepted.mean().item(), "kept": kept.float().mean().item(),
                "completion_length": completion_mask.sum(1).float().mean().item(), "grad_norm": grad_norm.item(),
@@ -134,7 +137,8 @@ def main(cfg: Config):
         optimizer.step()
         scheduler.step()
 
-        gap = rollout.sampler_mismatch(trained, sampler_logprobs[kept], answer_mask)  # the trainer's, the sampler's
+        # The sampler's gap: its log-probs against the trainer's, which are at temperature 1 (the NLL's distribution)
+        gap = rollout.sampler_mismatch(trained, sampler_logprobs[kept], answer_mask) if cfg.temperature == 1 else {}
         run.end_step(*step_log(loss, accepted, kept, completion_mask, grad_norm, scheduler, prompts, completions, gap))
 
     run.finish(tokenizer, {"": model}, {"accepted and kept": ["accuracy", "kept"],

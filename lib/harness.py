@@ -174,7 +174,8 @@ class RLConfig(PolicyConfig):
     --online, rft.py)."""
     temperature: float = setting(1.0, lambda v: v >= 0.01, "at least 0.01 (below it the log-probs of the "
                                  "tempered distribution overflow to NaN; the evaluation has a greedy score)")
-    """sampling temperature of the rollout (the log-probs are those of the same distribution)"""
+    """sampling temperature of the rollout (the losses' log-probs are those of the same distribution, but rft.py's
+    SFT loss, which reads the model's own, at 1)"""
     log_completions_steps: int = setting(10, lambda v: v >= 0, "0 or more (0: never)")
     """every this many steps, write the step's prompts, completions, rewards and advantages to completions.jsonl
     (0 = never)"""

@@ -61,6 +61,13 @@ def test_a_short_run_changes_the_weights_and_keeps_what_the_checker_accepts(sft_
     before, after = (common.load_model(path)[0].state_dict() for path in (sft_checkpoint, out))
     assert any(not torch.equal(before[name], after[name]) for name in before)
     assert os.path.isfile(os.path.join(out, "rft.png")) and os.path.isfile(os.path.join(out, "eval.json"))
+    # at another temperature the sampler's distribution is not the one the SFT loss reads: no gap is logged
+    hot = str(tmp_path / "rft_hot")
+    run_main("rft.py", "--model", sft_checkpoint, "--max_steps", "1", "--per_device_train_batch_size", "32",
+             "--eval_steps", "1", "--num_eval_examples", "4", "--temperature", "1.3", "--output_dir", hot)
+    rows = [json.loads(line) for line in open(os.path.join(hot, "metrics.jsonl"))]
+    assert [row for row in rows if "kept" in row]
+    assert not any(key.startswith("sampling/") for row in rows for key in row)
 
 
 def test_the_pages_quote_the_committed_side_by_side():
