@@ -177,10 +177,10 @@ def generate_with_tools(model, tokenizer, prompts: list[str], max_new_tokens: in
     at max_new_tokens, and a call closed on the last token gets none.
     The speed-ups are rollout.generate's (share_prompts, drop_finished, grow_in_place, static_cache: on by
     default on a CUDA GPU, for the decoders rollout.static_cache_refusal accepts), and only_after_gt: a row's
-    text is read for a call only after a token holding '>' (tokens_with_gt). On the CPU, each switched off
-    gives the same tokens, greedy or sampled from the same seed: the sampler draws for the same rows on every
-    path, those the policy writes for (tests/test_agent.py). On a GPU the static cache decodes from a bf16
-    copy of the weights: the same greedy tokens up to near-ties, sampled ones from the same distribution."""
+    text is read for a call only after a token holding '>' (tokens_with_gt). On the CPU, each switched off gives the
+    same tokens, greedy or sampled from the same seed: the sampler draws for the same rows on every path, those the
+    policy writes for (tests/test_agent.py). On a GPU the static cache decodes from a bf16 copy of the weights: the
+    same greedy tokens up to near-ties, sampled ones from nearly the same distribution (bf16 rounding)."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
     prompt_ids, prompt_mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)

@@ -16,6 +16,8 @@ distribution says what it should have put there. One step:
 
     loss_t = KL(student || teacher) = sum_v p_s(v) (log p_s(v) - log p_t(v))                 (--beta 1)
 
+where p_s and p_t are the two models' distributions at --temperature (softmax of logits / T).
+
 Reverse KL, with the student's own samples, is mode-seeking: the student is pushed off the tokens the
 teacher finds unlikely, at the places it actually goes. --beta 0 is the forward KL(teacher || student),
 mass-covering; between them the generalized Jensen-Shannon divergence of GKD (generalized_jsd).
@@ -28,11 +30,11 @@ prefixes mean something, with the student's tokenizer.
     python sft.py --model tiny-small --output_dir out/sft_small && \\
         python distill.py --model out/sft_small --output_dir out/distill_small   # a student of half the width
 
-Left out, and why: GKD's lmbda (a share of steps on the dataset's or the teacher's text instead of
-the student's: TRL 1.9 removed it from DistillationTrainer; off-policy distillation, SFT on the
-teacher's samples, is sft.py on a file the teacher wrote, benchmarks/distill_runs.py); a teacher with
-another tokenizer (the two distributions would first have to be aligned token by token); top-k teacher logits (the tiny
-vocabulary has 264 tokens, so the whole distribution is cheap); a reward on top (GKD + RL, their
+Left out, and why: GKD's lmbda (the share of steps on the student's own samples, the rest on fixed text, the dataset's
+or the teacher's: here every step is the student's, lmbda 1; TRL 1.9 removed it from DistillationTrainer; off-policy
+distillation, SFT on the teacher's samples, is sft.py on a file the teacher wrote, benchmarks/distill_runs.py); a
+teacher with another tokenizer (the two distributions would first have to be aligned token by token); top-k teacher
+logits (the tiny vocabulary has 264 tokens, so the whole distribution is cheap); a reward on top (GKD + RL, their
 section 5).
 """
 from dataclasses import dataclass

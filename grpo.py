@@ -4,7 +4,8 @@ PPO without a critic. For each prompt, sample a group of G completions, score ea
 rule-based reward functions, and use its reward relative to the group as the advantage of
 every one of its tokens. Update with PPO's clipped ratio plus a k3 KL penalty to a frozen
 reference policy. At the default num_iterations 1 (one update per batch) the ratio is exactly 1
-and the clip never acts: the step is a group-baseline REINFORCE step. The clip acts with several
+and the clip never acts: the step is a group-baseline REINFORCE step (the advantage divided by the
+group's std) plus the k3 KL term's gradient. The clip acts with several
 updates per batch.
 
     python sft.py && python grpo.py                      # tiny model from out/sft -> out/grpo
@@ -91,10 +92,11 @@ class Config(harness.PolicyGradientConfig):
     --scale_rewards says; 'rloo' r minus the mean of the group's other G - 1 rewards, no std (RLOO); 'reinforce_pp' r -
     group mean, then normalised over the whole batch (REINFORCE++-baseline). OpenRLHF's rloo and reinforce_baseline"""
     loss_type: str = setting("grpo", lambda v: v in LOSS_TYPES, "one of " + ", ".join(LOSS_TYPES))
-    """how token losses are averaged (see grpo_loss): 'grpo' each completion's mean, then over completions; 'bnpo' one
-    mean over a micro-batch's tokens; 'dapo' one mean over the step's tokens; 'dr_grpo' the sum over completions x
-    max_completion_length; 'cispo' (MiniMax-M1, as TRL 1.16) no clip of the objective: each token's A * logp weighted by
-    its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and detached, one mean over the step's tokens"""
+    """how token losses are averaged (see aggregate): 'grpo' each completion's mean, then over completions; 'bnpo' one
+    mean over a micro-batch's tokens, weighted by its share of the step's rows; 'dapo' one mean over the step's
+    tokens; 'dr_grpo' the sum / (completions x max_completion_length); 'cispo' (MiniMax-M1, as TRL 1.16) no clip of
+    the objective: each token's A * logp weighted by its ratio capped at --epsilon_high (an absolute cap, e.g. 5) and
+    detached, one mean over the step's tokens"""
     scale_rewards: str = setting("group", lambda v: v in ("group", "batch", "none"), "one of group, batch, none")
     """divide the centred rewards by the std of their 'group' (GRPO), of the step's raw rewards ('batch'), or 'none'"""
     dynamic_sampling: bool = False

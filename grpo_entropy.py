@@ -6,7 +6,8 @@ lr x Cov(log pi(a), A(a)) (a vanilla one by lr x Cov(log pi(a), pi(a) A(a))), an
 that covariance, so act on those tokens only. Each remedy is a per-token loss in place of grpo.py's, on the
 tokens of a micro-batch picked by their covariance (covariance_tokens):
 
-    clip_cov   a random few of the tokens whose covariance lies in (lb, ub) lose their loss and gradient
+    clip_cov   a random few of the tokens whose covariance lies in (lb, ub), among those the PPO clip has
+               not already clipped (as verl's), lose their loss and gradient
     kl_cov     no clip; the tokens of highest covariance pay ppo_kl_coef x |log pi - log pi_old|
 
 Everything else is grpo.py's: its settings, its loop (grpo.main, given cov_loss), its metrics (clip_fraction
@@ -45,8 +46,8 @@ class Config(grpo.Config):
     loss_mode: str = setting("vanilla", lambda v: v in LOSS_MODES, "one of " + ", ".join(LOSS_MODES))
     """the covariance remedies of Cui et al. 2025 (verl's policy_loss.loss_mode; see cov_per_token_loss): 'clip_cov'
     drops the gradient of a random --clip_cov_ratio of the tokens whose covariance of log-prob and advantage lies in
-    (--clip_cov_lb, --clip_cov_ub); 'kl_cov' adds --ppo_kl_coef x |log ratio| on the top --kl_cov_ratio of tokens
-    by that covariance, and, as their code, clips no token; 'vanilla' neither"""
+    (--clip_cov_lb, --clip_cov_ub) and the PPO clip has not clipped; 'kl_cov' adds --ppo_kl_coef x |log ratio| on the
+    top --kl_cov_ratio of tokens by that covariance, and, as their code, clips no token; 'vanilla' neither"""
     clip_cov_ratio: float = setting(2e-4, lambda v: 0 < v <= 1, "in (0, 1]")
     """with --loss_mode clip_cov: the share of a micro-batch's tokens whose gradient is dropped (at least 1; the
     paper's 2e-4 picks 1 token of a tiny-model step's ~3,000)"""

@@ -2,9 +2,10 @@
 call leads there.
 
     rollout.py       the rollout and the log-prob pass: how the policy writes, and the log-probability
-                     it gives each token (every script calls these two)
+                     it gives each token (most scripts call these two)
     harness.py       the machinery of a training run: the output folder, checkpoints and --resume,
                      the evaluation schedule, the NaN stop, logging (no number of the algorithm)
     distributed.py   several processes under torchrun: DDP, FSDP, the sums and means over processes
-    checks.py        bad input stopped in one sentence before anything is written
+    checks.py        bad input stopped in one sentence: before anything is written, or at the step
+                     where a non-finite score appears
 """

@@ -222,7 +222,7 @@ def test_a_token_that_closes_a_call_and_opens_the_reply_still_does_after_an_orph
     assert tokenizer.decode(ids[tool.bool()]) == ORPHAN + "result>9</result>"
 
 
-# --- the rollout against its previous version, and each of its speed-ups switched off -----------------------------
+# --- the rollout against the prefill rollout, and each of its speed-ups switched off -- -----------------------------
 # A random tiny model pulled toward one episode: an orphan </calc>, a call, a call past --max_tool_calls 2. The pull
 # is as strong as the model's own logits, so the rows (prompts of two lengths, so at two offsets of the episode)
 # stray from it in different places: some close calls, some orphans, some stop at EOS early, some run on.

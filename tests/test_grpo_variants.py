@@ -18,7 +18,8 @@ from floats import approx, assert_close, tolerance
 
 
 def old_grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_eps, beta, loss_type):
-    """grpo_loss as it was before the variants (commit 9172d7b), for the bit-for-bit default check."""
+    """The plain GRPO loss with no variant (the clipped ratio, the k3 KL, the grpo/dapo means), written out in full:
+    grpo_loss at its defaults must give it bit for bit."""
     mask = mask.bool()
     logprobs, old_logprobs = torch.where(mask, logprobs, 0.0), torch.where(mask, old_logprobs, 0.0)
     ratio = torch.exp(logprobs - old_logprobs)

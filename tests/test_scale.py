@@ -94,8 +94,8 @@ def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_reward_model_with_one_held_out_pair(sft_folder, tmp_path):
-    """One held-out pair on two processes: rank 1's share is empty. It used to stop there alone (and
-    rank 0 printed a collective's traceback); the check is now the same on every process. And what the
+    """One held-out pair on two processes: rank 1's share is empty, and every process takes the same
+    branch of the check (one stopping alone would leave the other in a collective). And what the
     two processes must give: identical weights on both (one starting value head, rank 0's, and averaged
     gradients), and held-out scores of the one pair that are one process's scores of it with the saved model.
     The reward model needs a policy folder, not a policy that solves the task: sft_folder's 80-step run."""
@@ -210,7 +210,8 @@ FSDP_RUNS = [
 
 @pytest.mark.slow
 def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path):
-    """Every script under torchrun with --fsdp (FSDP_RUNS): the same metrics and weights as the same
+    """sft, reward_model, grpo, mix and ppo under torchrun with --fsdp (FSDP_RUNS; the other scripts share their
+    run machinery but are not run sharded here): the same metrics and weights as the same
     two-process run with data parallelism (which the test above and test_torchrun_* tie to one
     process on the whole batch), to float32 rounding; the start-up memory table divides the sharded
     rows by 2. Speed: the 14 runs share one torchrun (tests/helpers/run_mains.py), one start-up
@@ -338,7 +339,8 @@ def rm_lora(sft_checkpoint, tmp_path_factory):
 
 @pytest.mark.slow
 def test_lora_works_on_all_five_scripts(sft_checkpoint, rm_lora, tmp_path):
-    """--lora_r 8 on every script; a LoRA run saves its adapter, and the next script loads it merged."""
+    """--lora_r 8 on sft, reward_model, grpo, mix and ppo; a LoRA run saves its adapter, and the next script loads it
+    merged (every script with LoRA on the real model: tests/test_gguf.py)."""
     short = ["--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1", "--lora_r", "8"]
     sft_out = str(tmp_path / "sft")
     run_main("sft.py", "--model", sft_checkpoint, "--output_dir", sft_out, "--max_steps", "3", *short)
