@@ -7,7 +7,7 @@ evaluated every 40 on the 500 held-out problems with the calculator), each one c
 
     tool       the calculator answers up to 2 calls a completion
     no_tool    --max_tool_calls 0: every call is refused ('error: no calls left'), so the only way to
-               the reward is the policy's own column work: GRPO without the calculator, same start
+               the reward is the policy's own column work, from the same start
     cost       --tool_call_cost 0.25: each call takes a quarter point off the reward
 
 and, for context, the course's GRPO without a calculator anywhere: `grpo.py --seed s` at its defaults
