@@ -6,9 +6,14 @@ import json
 import logging
 import math
 import os
+import select
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 import types
 
 import pytest
@@ -52,8 +57,126 @@ def no_deprecation_logged():
     assert not log.messages, f"transformers logged a deprecation: {log.messages}"
 
 
+class ScriptProcess:
+    """`python script args` started by start(): Popen's pid, poll(), wait(), send_signal() and kill(), and what
+    it printed (.stdout, .stderr) once it has ended."""
+
+    def __init__(self, out_dir: str, pid: int, popen: subprocess.Popen | None = None):
+        self.out_dir, self.pid, self.popen, self.returncode = out_dir, pid, popen, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.popen.poll() if self.popen else _server().exit_code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float = 600):
+        deadline = time.time() + timeout
+        while self.poll() is None:
+            assert time.time() < deadline, f"the process {self.pid} ran past {timeout} s"
+            if self.popen:
+                time.sleep(0.01)
+            else:
+                _server().exit_code(self.pid, timeout=min(1.0, max(deadline - time.time(), 0.01)))
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    @property
+    def stdout(self) -> str:
+        return open(os.path.join(self.out_dir, "stdout"), errors="backslashreplace").read()
+
+    @property
+    def stderr(self) -> str:
+        return open(os.path.join(self.out_dir, "stderr"), errors="backslashreplace").read()
+
+
+class _ScriptServer:
+    """tests/helpers/script_server.py, started once per test process: it forks the scripts' processes."""
+
+    def __init__(self):
+        self.process = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers", "script_server.py")],
+                                        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.env, self.exits, self.pending = _environment(), {}, b""
+        assert self._line(timeout=120) == "ready", "the script server did not start"
+
+    def _line(self, timeout: float):
+        """The server's next answer line, or None after `timeout` seconds."""
+        deadline = time.time() + timeout
+        while b"\n" not in self.pending:
+            readable, _, _ = select.select([self.process.stdout], [], [], max(deadline - time.time(), 0))
+            if not readable:
+                return None
+            data = os.read(self.process.stdout.fileno(), 1 << 16)
+            assert data, "the script server stopped"
+            self.pending += data
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode()
+
+    def start(self, argv: list[str], out_dir: str) -> ScriptProcess:
+        request = {"argv": argv, "cwd": ROOT, "env": dict(os.environ), "stdout": os.path.join(out_dir, "stdout"),
+                   "stderr": os.path.join(out_dir, "stderr")}
+        self.process.stdin.write(json.dumps(request).encode() + b"\n")
+        self.process.stdin.flush()
+        while True:
+            line = self._line(timeout=60)
+            assert line is not None, "the script server did not answer"
+            kind, pid, *code = line.split()
+            if kind == "pid":
+                return ScriptProcess(out_dir, int(pid))
+            self.exits[int(pid)] = int(code[0])
+
+    def exit_code(self, pid: int, timeout: float):
+        """The exit code of a process the server started, or None if it is still running after `timeout` s."""
+        while pid not in self.exits:
+            line = self._line(timeout)
+            if line is None:
+                return None
+            _, other, code = line.split()
+            self.exits[int(other)] = int(code)
+        return self.exits[pid]
+
+
+_servers = {}  # this process's id -> its script server (a forked test process starts its own)
+
+
+def _server() -> _ScriptServer:
+    if os.getpid() not in _servers:
+        _servers[os.getpid()] = _ScriptServer()
+    return _servers[os.getpid()]
+
+
+def _environment() -> dict:
+    """The environment a script would see, but the test pytest names in it."""
+    return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
+
+
+def start(script, *args) -> ScriptProcess:
+    """`python script args` in the repository's root, as a process of its own. Speed: forked from a process that
+    has imported torch and transformers already (tests/helpers/script_server.py) rather than a new interpreter,
+    which spends ~6 s importing them; the script, common.py and lib/ are imported afresh in it. A test that
+    changed the environment (a variable the libraries read when imported) gets a new interpreter."""
+    out_dir = tempfile.mkdtemp(prefix="script_")
+    for name in ("stdout", "stderr"):
+        open(os.path.join(out_dir, name), "w").close()
+    if _environment() != _server().env:
+        with open(os.path.join(out_dir, "stdout"), "w") as out, open(os.path.join(out_dir, "stderr"), "w") as err:
+            popen = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=err)
+        return ScriptProcess(out_dir, popen.pid, popen)
+    return _server().start([script, *args], out_dir)
+
+
 def run(script, *args, check=True):
-    result = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """`python script args` to its end (start() above): .returncode, .stdout, .stderr."""
+    process = start(script, *args)
+    process.wait()
+    result = types.SimpleNamespace(returncode=process.returncode, stdout=process.stdout, stderr=process.stderr)
+    shutil.rmtree(process.out_dir)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result

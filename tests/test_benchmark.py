@@ -1,14 +1,13 @@
 """benchmarks/run.py's arithmetic: medians over every round's steps, completions/s and tokens/s."""
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
 
-from conftest import ROOT, load_benchmark
+from conftest import ROOT, load_benchmark, run
 import common  # conftest put the repo on sys.path
 
 bench = load_benchmark("run")
@@ -43,8 +42,7 @@ gpu = load_benchmark("gpu")
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU, and the script would run")
 def test_gpu_track_stops_with_one_sentence_without_cuda():
-    result = subprocess.run([sys.executable, "benchmarks/gpu.py"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = run("benchmarks/gpu.py", check=False)
     assert result.returncode != 0 and result.stdout == ""
     assert result.stderr.strip() == gpu.NO_CUDA and "Traceback" not in result.stderr
     assert gpu.NO_CUDA.startswith("error: no CUDA GPU here") and "\n" not in gpu.NO_CUDA

@@ -25,7 +25,7 @@ import ppo
 import reward_model
 import rft
 import sft
-from conftest import SFT_FOLDER_RUN, ROOT, assert_same_run, rotated_tokenizer, run, run_main, tiny_reward_model
+from conftest import SFT_FOLDER_RUN, ROOT, assert_same_run, rotated_tokenizer, run, run_main, start, tiny_reward_model
 
 SCRIPTS = {"sft.py": sft, "reward_model.py": reward_model, "ppo.py": ppo, "grpo.py": grpo, "mix.py": mix,
            "dpo.py": dpo}
@@ -564,7 +564,7 @@ def _signal_when(process, condition, sig=signal.SIGKILL, timeout=300):
     """Send `sig` to the process as soon as `condition()` holds (it must not finish first)."""
     deadline = time.time() + timeout
     while not condition():
-        assert process.poll() is None, f"finished before the kill point:\n{process.stderr.read()[-2000:]}"
+        assert process.poll() is None, f"finished before the kill point:\n{process.stderr[-2000:]}"
         assert time.time() < deadline
         time.sleep(0.0005)
     process.send_signal(sig)
@@ -572,8 +572,7 @@ def _signal_when(process, condition, sig=signal.SIGKILL, timeout=300):
 
 
 def _start(script, args):
-    return subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return start(script, *args)
 
 
 def _lines(path):
@@ -595,14 +594,12 @@ RUNS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(RUNS))
 def test_same_seed_same_metrics_and_a_killed_run_resumes_to_the_same_result(sft_checkpoint, tmp_path, script):
-    """Determinism: two runs of the same seed log the same metrics (timings aside) and end with the
-    same weights. Robustness: SIGKILL between checkpoints and in the middle of writing one, then
-    --resume each time: the run ends exactly as the unbroken one did."""
+    """A second run of the same seed, killed (SIGKILL) between checkpoints and in the middle of writing one, then
+    --resumed each time, logs the same metrics (timings aside) and ends with the same weights as the unbroken
+    run: determinism (its steps up to the first kill are a fresh run's) and an exact resume at once."""
     args = RUNS[script](sft_checkpoint)
-    first, second, broken = (str(tmp_path / name) for name in ("first", "second", "broken"))
+    first, broken = (str(tmp_path / name) for name in ("first", "broken"))
     run_main(script, *args, "--output_dir", first)
-    run_main(script, *args, "--output_dir", second)
-    assert_same_run(first, second)
 
     metrics = os.path.join(broken, "metrics.jsonl")
     # 1. killed between two checkpoints: the 5th metrics line is past the first checkpoint
@@ -656,7 +653,7 @@ def _check_old_whole_or_new_resumable(folder, old, unbroken_new):
 
 # (signal, when to send it: a condition on the new run's .next_run folder), from the process's start to its move-in
 KILL_POINTS = [
-    (signal.SIGTERM, lambda next_run: True),  # while Python starts
+    (signal.SIGTERM, lambda next_run: True),  # as soon as the process exists
     (signal.SIGKILL, lambda next_run: os.path.isdir(next_run)),  # the new run has only begun to write
     (signal.SIGKILL, lambda next_run: os.path.isdir(os.path.join(next_run, "checkpoint.tmp"))),  # inside a save
     (signal.SIGTERM, lambda next_run: _lines(os.path.join(next_run, "metrics.jsonl")) >= 7),  # between two saves
