@@ -3,11 +3,16 @@
 The notebooks are executed in memory, so their committed outputs are never rewritten. The
 checkpoints they train (notebooks/helpers.py) go to a temporary folder, which starts with the
 suite's SFT policy and reward model (the same runs); the notebooks reuse them. Notebooks 01 to 08 run in
-order in one test, as a reader runs them, and notebook 09, which trains its own start, in another, so
-the two workers of `-n 2` can run them side by side.
+order in one test, as a reader runs them, and notebook 09, which trains its own start (here a shorter SFT
+run than the notebook's: the cells are what is tested), in another, so the two workers of `-n 2` can run
+them side by side.
 """
+import contextlib
+import dataclasses
 import glob
+import io
 import os
+import re
 import shutil
 import sys
 
@@ -58,14 +63,36 @@ def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
     run_notebooks([path for path in NOTEBOOKS if path != AGENT], notebook_out, monkeypatch)
 
 
+# Notebook 09's start in the test: SFT on data/tool_demos for this many steps, not the notebook's 300. At 60 the
+# policy already calls the calculator (garbled calls, but calls), so every cell's calculator turn runs.
+AGENT_SFT_STEPS = 60
+
+
 def test_the_agent_notebook_runs(tmp_path, monkeypatch):
-    """Notebook 09 needs no other notebook's checkpoint, so it runs apart: under `-n 2` beside the others."""
-    run_notebooks([AGENT], str(tmp_path / "notebooks_out"), monkeypatch)
+    """Notebook 09 needs no other notebook's checkpoint, so it runs apart: under `-n 2` beside the others. Its
+    start (helpers.TOOL_SFT_CONFIG) is trained for AGENT_SFT_STEPS first; the cells must show that the policy
+    called the calculator in the episode the hand loop replays (cell 9's printed reply_mask)."""
+    sys.path.insert(0, os.path.join(ROOT, "notebooks"))
+    import helpers
+    import sft
+
+    out = str(tmp_path / "notebooks_out")
+    start = dataclasses.replace(helpers.TOOL_SFT_CONFIG, max_steps=AGENT_SFT_STEPS, eval_steps=AGENT_SFT_STEPS,
+                                output_dir=os.path.join(out, "sft_tool"))
+    assert os.path.basename(helpers.TOOL_SFT_CONFIG.output_dir) == "sft_tool"  # where the notebook looks for it
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        sft.main(start)
+    (notebook,) = run_notebooks([AGENT], out, monkeypatch)
+    printed = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
+    tokens = re.search(r"same \d+ tokens, same reply_mask \((\d+) calculator tokens\)", printed)
+    assert tokens and int(tokens[1]) > 0, "the replayed episode holds no call: train notebook 09's start longer"
 
 
-def run_notebooks(paths: list[str], out: str, monkeypatch):
+def run_notebooks(paths: list[str], out: str, monkeypatch) -> list:
+    """Each notebook executed in a kernel of its own, in order; returns them with their outputs."""
     monkeypatch.setenv("RLHF_NOTEBOOKS_OUT", out)  # the kernel inherits it
     monkeypatch.setenv("RLHF_NOTEBOOKS_MAX_STEPS", str(MAX_STEPS))
+    executed = []
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         # The "python3" kernel of the interpreter running the tests (ipykernel's own spec), not whatever
@@ -79,6 +106,8 @@ def run_notebooks(paths: list[str], out: str, monkeypatch):
         finally:
             if kernel.has_kernel:  # nbclient leaves running a kernel whose manager it was given
                 kernel.shutdown_kernel(now=True)
+        executed.append(nb)
+    return executed
 
 
 def test_there_is_a_notebook_per_stage():

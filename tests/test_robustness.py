@@ -754,10 +754,17 @@ def test_a_second_run_into_a_new_folder_is_refused_from_the_first_moment(tmp_pat
 
 @pytest.mark.slow
 def test_a_run_that_stops_on_bad_input_leaves_no_new_folder(tmp_path):
-    out = str(tmp_path / "never_written")
-    result = run("grpo.py", "--model", str(tmp_path / "missing"), "--output_dir", out, check=False)
-    assert result.returncode == 1 and "run `python sft.py` first" in result.stderr
-    assert not os.path.exists(out)
+    """In a process forked from the tests' script server and in a new interpreter alike (conftest.start's
+    speed-up): the same sentence, exit status and output, and the folder removed by the script's atexit function."""
+    results = []
+    for name, command in (("forked", run), ("new", lambda *args, check: subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600))):
+        out = str(tmp_path / name / "never_written")
+        result = command("grpo.py", "--model", str(tmp_path / "missing"), "--output_dir", out, check=False)
+        assert result.returncode == 1 and "run `python sft.py` first" in result.stderr
+        assert not os.path.exists(out)
+        results.append((result.returncode, result.stdout, result.stderr.replace(out, "OUT")))
+    assert results[0] == results[1]
 
 
 @pytest.mark.slow
