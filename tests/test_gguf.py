@@ -50,8 +50,8 @@ def policy(gguf_path):
 
 @pytest.fixture(scope="module")
 def smollm2_folder(policy, tmp_path_factory):
-    """The GGUF model saved once as a plain model folder: the end-to-end runs of four scripts start
-    from it (a GGUF load takes ~13 s here, a folder ~1 s); grpo.py reads the .gguf itself."""
+    """The GGUF model saved once as a plain model folder: the scripts' end-to-end runs start from it (a GGUF
+    load takes ~13 s here, a folder ~1 s), but grpo.py's, which reads the .gguf itself."""
     folder = str(tmp_path_factory.mktemp("smollm2"))
     harness.save_checkpoint(*policy, folder)
     return folder
@@ -284,7 +284,7 @@ ARGS = {  # two steps, LoRA r 8, 2 micro-batches per step, tiny evaluations
     "mix.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--expert_data_ratio", "0.5",
                "--max_completion_length", "48"],  # room for an expert answer
     "agent.py": ["--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16"],
-    "distill.py": ["--per_device_train_batch_size", "2", "--max_completion_length", "16"],  # the .gguf learns
+    "distill.py": ["--per_device_train_batch_size", "2", "--max_completion_length", "16"],
 }
 
 
@@ -299,7 +299,7 @@ def test_every_script_trains_the_real_model_with_lora_and_accumulation(gguf_path
     from conftest import read_metrics, run_main
     from safetensors.torch import load_file, save_file
 
-    out, model = str(tmp_path / script), gguf_path if script in ("grpo.py", "distill.py") else smollm2_folder
+    out, model = str(tmp_path / script), gguf_path if script == "grpo.py" else smollm2_folder
     teacher = []
     if script == "distill.py":  # the same weights would be refused as the student itself: a teacher that differs
         teacher_folder = tmp_path / "teacher"

@@ -65,16 +65,6 @@ def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_p
         assert json.load(f)["n"] == 8  # each process evaluated 4 problems; the counts were summed
 
 
-@pytest.mark.slow
-def test_torchrun_grpo_script_as_users_run_it(sft_checkpoint, tmp_path):
-    out = str(tmp_path / "grpo")
-    torchrun("grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
-             "--output_dir", out, "--eval_steps", "100", "--num_eval_examples", "1")  # rank 1 evaluates none
-    assert os.path.isfile(os.path.join(out, "model.safetensors"))
-    with open(os.path.join(out, "eval.json")) as f:
-        assert json.load(f)["n"] == 1
-
-
 def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
     """distributed.setup() registers leave_group at exit: the group is destroyed before the interpreter
     tears gloo down (left to that teardown, gloo's threads aborted some finished --fsdp runs). atexit
@@ -131,13 +121,18 @@ def test_torchrun_reward_model_with_one_held_out_pair(sft_folder, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, tmp_path):
     """Multi-node torchrun on localhost: two "nodes" of one process each (their own torchrun, joined by
-    a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights."""
+    a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights. The
+    one-node run is `torchrun --nproc_per_node 2 grpo.py ...` as a user runs it: it saves the model, and its
+    one held-out problem is evaluated by rank 0 (rank 1 evaluates none)."""
     import socket
 
     args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
-            "--num_generations", "4", "--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1"]
+            "--num_generations", "4", "--eval_steps", "100", "--num_eval_examples", "1", "--warmup_steps", "1"]
     one_node = str(tmp_path / "one_node")
     torchrun(*args, "--output_dir", one_node)
+    assert os.path.isfile(os.path.join(one_node, "model.safetensors"))
+    with open(os.path.join(one_node, "eval.json")) as f:
+        assert json.load(f)["n"] == 1
     with socket.socket() as free:  # a free port for the rendezvous
         free.bind(("localhost", 0))
         port = free.getsockname()[1]
@@ -202,8 +197,8 @@ FSDP_RUNS = [
     ("grpo.py", ["--max_steps", "3", *GRPO_SHORT]),
     ("mix.py", ["--max_steps", "2", *GRPO_SHORT]),
     ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8"]),
-    # LoRA: the frozen base sharded beside the adapters; PPO's critic is a LoRA scalar head
-    ("grpo.py", ["--max_steps", "2", *GRPO_SHORT, "--lora_r", "8"]),
+    # LoRA: the frozen base sharded beside the adapters (the policy's, its reference the adapter off, as in
+    # grpo.py and mix.py), and PPO's critic a LoRA scalar head
     ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8", "--lora_r", "8"]),
 ]
 
@@ -214,8 +209,8 @@ def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path)
     run machinery but are not run sharded here): the same metrics and weights as the same
     two-process run with data parallelism (which the test above and test_torchrun_* tie to one
     process on the whole batch), to float32 rounding; the start-up memory table divides the sharded
-    rows by 2. Speed: the 14 runs share one torchrun (tests/helpers/run_mains.py), one start-up
-    instead of 14 (importing torch and transformers is most of a 3-step run); one test, so that one
+    rows by 2. Speed: the 12 runs share one torchrun (tests/helpers/run_mains.py), one start-up
+    instead of 12 (importing torch and transformers is most of a 3-step run); one test, so that one
     worker of `-n 2` runs them while the other runs other tests."""
     runs = []
     for i, (script, args) in enumerate(FSDP_RUNS):
