@@ -363,7 +363,8 @@ def lessons() -> list[dict]:
              **paired(agent_call_rate("cost", ("borrow",)), agent_call_rate("cost", ("no borrow",)), "up")),
         dict(id="L41", lesson="SmolLM2 with the calculator ends above its best chain without one",
              where="docs/agent.md (a real model)", arms="sft120-seed0's GRPO -> agent_smollm2/seed0's agent",
-             differs="two things: the SFT data (half the demonstrations call) and the calculator",
+             differs="three things: the SFT data (half the demonstrations call), the calculator, and GRPO's "
+                     "dynamic sampling (up to 6 rollouts a step, which agent.py does not have)",
              unit="points, final sampled accuracy (64 problems x 4)",
              **paired({0: agent_smollm2_final()}, {0: smollm2_final("sft120-seed0")}, "up", "smollm2")),
         dict(id="L42", lesson="On-policy distillation ends above GRPO at equal samples (a student of the teacher's "

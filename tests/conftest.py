@@ -58,8 +58,8 @@ def no_deprecation_logged():
 
 
 class ScriptProcess:
-    """`python script args` started by start(): Popen's pid, poll(), wait(), send_signal() and kill(), and what
-    it printed (.stdout, .stderr) once it has ended."""
+    """`python script args` started by start(): Popen's pid, poll(), send_signal() and kill(); wait() (at most
+    `timeout` seconds, then an AssertionError); what it printed so far (.stdout, .stderr), read from its files."""
 
     def __init__(self, out_dir: str, pid: int, popen: subprocess.Popen | None = None):
         self.out_dir, self.pid, self.popen, self.returncode = out_dir, pid, popen, None
@@ -151,15 +151,16 @@ def _server() -> _ScriptServer:
 
 
 def _environment() -> dict:
-    """The environment a script would see, but the test pytest names in it."""
+    """os.environ without PYTEST_CURRENT_TEST (the test pytest is running, which changes with every test)."""
     return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
 
 def start(script, *args) -> ScriptProcess:
     """`python script args` in the repository's root, as a process of its own. Speed: forked from a process that
     has imported torch and transformers already (tests/helpers/script_server.py) rather than a new interpreter,
-    which spends ~6 s importing them; the script, common.py and lib/ are imported afresh in it. A test that
-    changed the environment (a variable the libraries read when imported) gets a new interpreter."""
+    which spends ~6 s importing them; the script, common.py and lib/ are imported afresh in it. A call whose
+    environment differs from the one the script server started with (this process's first start()) gets a new
+    interpreter: the libraries read some variables when imported."""
     out_dir = tempfile.mkdtemp(prefix="script_")
     for name in ("stdout", "stderr"):
         open(os.path.join(out_dir, name), "w").close()
@@ -172,7 +173,8 @@ def start(script, *args) -> ScriptProcess:
 
 
 def run(script, *args, check=True):
-    """`python script args` to its end (start() above): .returncode, .stdout, .stderr."""
+    """`python script args` to its end (start() above, at most 600 s): .returncode, .stdout, .stderr. With check,
+    a non-zero exit fails the test with the end of what it printed."""
     process = start(script, *args)
     process.wait()
     result = types.SimpleNamespace(returncode=process.returncode, stdout=process.stdout, stderr=process.stderr)
@@ -270,12 +272,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """The notebooks' test first: the longest, it starts by training the SFT model and the reward model (a few
+    """Notebooks 01 to 08's test first: the longest, it starts by training the SFT model and the reward model (a few
     minutes, one worker of -n 2) while the other worker runs the tests that need no trained checkpoint, which come
     next; then those that need the SFT model, then the reward model (a stable sort: file order within each). So
-    the other worker reaches the checkpoint tests after they are trained, rather than waiting on built_once's lock."""
+    the other worker reaches the checkpoint tests after they are trained, rather than waiting on built_once's lock.
+    Within each group the longest tests (LONGEST, a minute or more each on one core) go first, so that the suite
+    does not end with one worker on a long test while the other has nothing left."""
     items.sort(key=lambda item: (item.name != "test_every_notebook_runs_in_order",
-                                 "sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames))
+                                 "sft_checkpoint" in item.fixturenames, "rm_checkpoint" in item.fixturenames,
+                                 item.originalname not in LONGEST))
+
+
+LONGEST = {"test_the_agent_notebook_runs", "test_fsdp_trains_as_data_parallelism_does",
+           "test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly",
+           "test_two_nodes_of_one_process_train_as_one_two_process_run",
+           "test_lora_rl_step_needs_less_memory_than_full_fine_tuning", "test_grpo_short_run_raises_reward",
+           "test_ppo_short_run_raises_the_score_and_moves_actor_and_critic"}
 
 
 def built_once(tmp_path_factory, name: str, build) -> str:
@@ -298,7 +310,8 @@ def built_once(tmp_path_factory, name: str, build) -> str:
 
 @pytest.fixture(scope="session")
 def sft_checkpoint(tmp_path_factory):
-    """A short SFT run (~1 min): the answer format is learned, the sums are right ~40% of the time."""
+    """A short SFT run (~2 min on one core): the answer format is learned; greedy, the sums are right 17% to 55%
+    of the time, by seed and CPU (tests/test_scripts.py)."""
     return built_once(tmp_path_factory, "sft", lambda out: run_main(
         "sft.py", "--output_dir", out, "--max_steps", "300", "--learning_rate", "2e-3", "--eval_steps", "300",
         "--num_eval_examples", "64", "--overwrite_output_dir", "true"))

@@ -32,8 +32,8 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 @pytest.fixture()
 def notebook_out(tmp_path, sft_checkpoint, rm_checkpoint):
     """The notebooks' checkpoint folder, starting with the suite's short SFT and reward-model runs:
-    notebooks/helpers.py's SFT_CONFIG and RM_CONFIG are the same runs (steps, learning rate, data,
-    evaluation, seed), so they need not train twice."""
+    notebooks/helpers.py's SFT_CONFIG and RM_CONFIG are the same runs (checked: SFT's steps, learning rate,
+    evaluation and seed; every setting the reward model's run changes), so they need not train twice."""
     sys.path.insert(0, os.path.join(ROOT, "notebooks"))
     import helpers
     import reward_model
@@ -64,14 +64,16 @@ def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
 
 
 # Notebook 09's start in the test: SFT on data/tool_demos for this many steps, not the notebook's 300. At 60 the
-# policy already calls the calculator (garbled calls, but calls), so every cell's calculator turn runs.
+# policy already calls the calculator (garbled calls, but calls): the test below asserts that the episode the
+# notebook replays by hand holds one.
 AGENT_SFT_STEPS = 60
 
 
 def test_the_agent_notebook_runs(tmp_path, monkeypatch):
     """Notebook 09 needs no other notebook's checkpoint, so it runs apart: under `-n 2` beside the others. Its
     start (helpers.TOOL_SFT_CONFIG) is trained for AGENT_SFT_STEPS first; the cells must show that the policy
-    called the calculator in the episode the hand loop replays (cell 9's printed reply_mask)."""
+    called the calculator in the episode the hand loop replays (the cell that prints "same N tokens, same
+    reply_mask (K calculator tokens)")."""
     sys.path.insert(0, os.path.join(ROOT, "notebooks"))
     import helpers
     import sft

@@ -236,7 +236,7 @@ def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path)
 
 def test_memory_estimate_divides_what_fsdp_shards():
     """Over N processes: weights, gradients, AdamW moments and frozen copies / N, plus the policy's
-    full weights, gathered for the rollout; activations stay per process. A 12.6M-parameter model,
+    full weights, gathered for the rollout; activations stay per process. A 16.9M-parameter model,
     built on the meta device (shapes only): 4 bytes per weight and gradient, 8 for AdamW."""
     tokenizer = common.build_tokenizer()
     with torch.device("meta"):

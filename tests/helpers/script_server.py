@@ -6,16 +6,17 @@ None of this repository's modules are imported here, so each child imports commo
 afresh, as a new interpreter does, and ends as one does: an uncaught exception or `sys.exit("error: ...")`
 prints to its stderr and exits 1, the script's atexit functions run.
 
-Protocol, one line each way: the test process writes a request as JSON (argv, cwd, env, stdout and stderr file
-paths); this process answers `pid N` once the child is forked and `exit N CODE` when it ends (CODE as
-subprocess gives it: negative for a signal). It stops when its stdin closes.
+Protocol, one line at a time: this process says `ready` once its imports are done; the test process writes
+a request as JSON (argv, cwd, env, stdout and stderr file paths); this process answers `pid N` once the child
+is forked and `exit N CODE` when it ends (CODE as subprocess gives it: negative for a signal). It stops when
+its stdin closes.
 """
 import json
 import os
 import select
 import sys
 
-import datasets  # noqa: F401  (the libraries a script imports, in the order common.py imports them)
+import datasets  # noqa: F401  (the libraries the scripts import)
 import matplotlib.pyplot  # noqa: F401
 import numpy  # noqa: F401
 import peft  # noqa: F401
