@@ -35,8 +35,9 @@ def run_child(request: dict):
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_TRUNC),
                             (2, request["stderr"], os.O_WRONLY | os.O_TRUNC)):
         opened = os.open(path, flags)
-        os.dup2(opened, fd)
-        os.close(opened)
+        if opened != fd:  # fd 0 is free (the requests' pipe was closed), so the first open may land on it
+            os.dup2(opened, fd)
+            os.close(opened)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
