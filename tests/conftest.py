@@ -88,11 +88,13 @@ class ScriptProcess:
 
     @property
     def stdout(self) -> str:
-        return open(os.path.join(self.out_dir, "stdout"), errors="backslashreplace").read()
+        with open(os.path.join(self.out_dir, "stdout"), errors="backslashreplace") as f:
+            return f.read()
 
     @property
     def stderr(self) -> str:
-        return open(os.path.join(self.out_dir, "stderr"), errors="backslashreplace").read()
+        with open(os.path.join(self.out_dir, "stderr"), errors="backslashreplace") as f:
+            return f.read()
 
 
 class _ScriptServer:
