@@ -445,7 +445,9 @@ def main():
     else:
         done = {(m, seed): run(m, seed, args.out) for seed in args.seeds for m in args.methods}  # a seed at a time
         saved = read_json(path) if args.add else {"seeds": [], "starts": {}, "results": {}}
-        saved["results"].update({m: [done[m, seed] for seed in args.seeds] for m in args.methods})
+        for m in args.methods:  # with --add, a seed already saved is replaced and the others kept
+            kept = [r for r in saved["results"].get(m, []) if r["seed"] not in args.seeds]
+            saved["results"][m] = sorted(kept + [done[m, seed] for seed in args.seeds], key=lambda r: r["seed"])
         saved["seeds"] = sorted(set(saved["seeds"]) | set(args.seeds))
         # each start's own final evaluation (the SFT models and the reward model), from the runs of STEPS steps only:
         # the LONG rows carry their start's (sft_eval, rm_eval), which may come from another machine's float order
