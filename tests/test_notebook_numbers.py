@@ -258,8 +258,6 @@ PAGE_QUOTES = [
           (SEED_2_ROW.format(r"500 prompts, 300 steps; 80 PPO steps \(old defaults\)"),
            SEED_2_ROW.format(r"3000 prompts, 600 steps"), r"\| the same, 120 PPO steps .*\| ([+-][\d.]+) \|\n"),
           lambda q, p: [same_number(a, b) for a, b in zip(q, (p[0], p[2], p[1], p[3], p[4]))] == [True] * 5),
-    Quote("02_reward_model", "In this run the prediction holds", r"held-out accuracy (\d+)% -> (\d+)%\)", CLASSIC,
-          r"sampled accuracy \*fell\* from ([\d.]+)% to ([\d.]+)%"),
     Quote("03_ppo", "## A short run of `ppo.main`", r"the README's run is (\d+) steps of (\d+) prompts",
           "README.md", r"`python ppo.py` \((\d+) steps of (\d+) prompts\)"),
     Quote("04_grpo", "## A short run of `grpo.main`",
