@@ -4,10 +4,11 @@ For each seed s, best_of_n.py samples 64 answers to each of the first 200 held-o
 SFT model of seed s and from the GRPO model trained from it (40 steps), and scores them with that
 seed's reward model (reward_model.py, the one PPO and online DPO read). One figure, docs/best_of_n.png:
 pass@k of SFT against GRPO for k = 1..64 (does GRPO sharpen what SFT's samples hold, or add to it?),
-and best-of-N of the SFT model against KL(best-of-N || SFT) = log N - (N - 1) / N, the kept answer's
+and best-of-N of the SFT model against the bound KL(best-of-N || SFT) <= log N - (N - 1) / N, the kept answer's
 gold accuracy (the checker) and its proxy score (the reward model's): the over-optimisation curve; and
 on the same KL axis, PPO and online DPO trained on those reward models (syllabus.py's rm_ppo and
-dpo_online_rm runs) at their evaluations (along_training).
+dpo_online_rm runs) at their evaluations (along_training), their KLs estimated from samples: a bound and two
+estimates on one axis, which show where each run went, not why.
 
     python benchmarks/syllabus.py --methods grpo        # the models (a finished run is read, not repeated)
     python benchmarks/pass_at_k.py                      # the evaluations, docs/best_of_n.json and .png
@@ -118,13 +119,15 @@ def figure(results: dict, path: str, num_eval_examples: int, num_samples: int):
     proxy.set(xlabel=bound, ylabel="reward model's score of the kept answer",
               title="the same answers: proxy (reward model)")
     band(third, kl, [[100 * row["gold"] for row in run["best_of_n"].values()] for run in sft],
-         "best-of-N by the reward model (N = 1 ... 64)", "tab:green")
+         "best-of-N by the reward model (N = 1 ... 64), at its KL bound", "tab:green")
     for method, color in (("rm_ppo", "tab:purple"), ("dpo_online_rm", "tab:brown")):
         for i, points in enumerate(results["along_training"][method]):  # one line per seed, steps 0, 20, 40
             third.plot([p["kl"] for p in points], [100 * p["gold"] for p in points], marker="^", color=color,
                        alpha=0.8, label=f"{TRAINED[method]} on it, steps 0, 20, 40 (a seed each)" if i == 0 else None)
-    third.set(xlabel="KL to SFT, nats (best-of-N: the bound;\nPPO: k1 sum; online DPO: log-ratio, of samples)",
-              ylabel="right (%): kept answer, or held-out sampled", title="gold along KL: sampling against training")
+    third.set(xlabel="KL to SFT, nats (best-of-N: an upper bound;\n"
+                     "PPO: k1 sum, online DPO: log-ratio, estimated from samples)",
+              ylabel="right (%): kept answer, or held-out sampled",
+              title="gold along KL: where each run went, not why")
     third.legend(fontsize=7, loc="lower left")
     for ax in (left, right, proxy, third):
         ax.grid(alpha=0.3)
