@@ -88,7 +88,7 @@ def token_covariance(logprobs, advantages, mask) -> torch.Tensor:
         cov_i = (A_i - mean A) (logp_i - mean logp)        (means over the micro-batch's real tokens)
 
     The paper's covariance is over the actions at one state, under pi; its code (and verl's, and this) centres
-    over all the tokens of the batch instead, one sample each, which mixes states.
+    over all the tokens of the batch instead, one sample each, which mixes states: a practical proxy.
 
     No gradient. logprobs, mask [N, T], advantages [N] -> [N, T], -inf at padding (never picked)."""
     mask = mask.bool()
