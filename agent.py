@@ -20,7 +20,8 @@ call; GRPO's advantage is one number per episode, given to every action token of
 
     python sft.py --dataset data/tool_demos --output_dir out/sft_tool   # the teacher calls it in half its demos
     python agent.py                                  # out/sft_tool -> out/agent
-    python agent.py --max_tool_calls 0               # every call refused: the policy works the columns itself
+    python agent.py --max_tool_calls 0               # every call refused: the start still calls and must unlearn
+                                                     # it (GRPO without a calculator is grpo.py from sft.py)
     python agent.py --tool_call_cost 0.25            # a call costs a quarter point of reward
 
 One training step, grpo.py's five with two changes (marked in main()'s loop):
@@ -69,7 +70,8 @@ class Config(grpo.Config):
     """grpo.py's settings, and the calculator's."""
     max_tool_calls: int = setting(2, lambda v: v >= 0, "0 or more")
     """calculator calls answered per completion; a call beyond them is answered 'error: no calls left'
-    (0: every call refused in words, so the policy works the columns itself)"""
+    (0: every call refused in words; the start still calls and must unlearn calling: not GRPO without a
+    calculator, which is grpo.py from sft.py)"""
     tool_call_cost: float = setting(0.0, lambda v: v >= 0, "0 or more")
     """reward taken off per call (refused calls too): the price of asking. A completion makes at most one call per
     token, so it pays at most tool_call_cost x max_completion_length, which must be at most 1e4: rewards and
