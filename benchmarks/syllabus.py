@@ -351,9 +351,12 @@ MARKERS = ["o", "s", "^", "D", "v"]  # one a seed, in every paired figure
 
 def paired_panel(ax, pairs: list[tuple[str, str, str]], results: dict, noise: float):
     """Per-seed paired differences (points of final held-out sampled accuracy, b - a on each seed's shared
-    start): one marker shape a seed, the mean as a bar, and the band of +-2 noise / sqrt(n) around 0 within
-    which a mean of n seeds cannot be told from no difference (the ledger's rule, docs/lessons.md).
-    pairs: (label, a, b), coloured by b."""
+    start): one marker shape a seed, the mean as a bar, and the band of +-t(0.975, n - 1) noise / sqrt(n)
+    around 0, the half-width of the ledger's 95% interval at the evaluation noise alone: the least a mean of n
+    seeds must exceed. A mean outside it may still not be shown: the interval also takes the seeds' own spread
+    (the ledger's rule, docs/lessons.md). pairs: (label, a, b), coloured by b."""
+    import lessons  # the rule's t quantile (benchmarks/lessons.py)
+
     for i, (label, a, b) in enumerate(pairs):
         finals = {m: {run["seed"]: run["evals"][-1]["sampled"] for run in results[m]} for m in (a, b)}
         seeds = sorted(set(finals[a]) & set(finals[b]))
@@ -362,8 +365,9 @@ def paired_panel(ax, pairs: list[tuple[str, str, str]], results: dict, noise: fl
             ax.scatter(i, d, marker=MARKERS[sd % len(MARKERS)], color=COLORS[b], s=30, zorder=3,
                        label=f"seed {sd}" if i == 0 else None)
         ax.plot([i - 0.3, i + 0.3], [statistics.fmean(diffs)] * 2, color=COLORS[b], lw=2.5)
-        width = 2 * noise / math.sqrt(len(seeds))
-        ax.fill_between([i - 0.4, i + 0.4], -width, width, color="grey", alpha=0.2, lw=0)
+        if len(seeds) > 1:
+            width = lessons.t_quantile(0.975, len(seeds) - 1) * noise / math.sqrt(len(seeds))
+            ax.fill_between([i - 0.4, i + 0.4], -width, width, color="grey", alpha=0.2, lw=0)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xticks(range(len(pairs)), [label for label, _, _ in pairs], rotation=30, ha="right", fontsize=8)
 
@@ -374,6 +378,10 @@ def figures(results: dict, seeds: list[int], folder: str):
     import lessons  # the noise floor: one model evaluated twice (benchmarks/lessons.py)
 
     noise = lessons.rms(lessons.FLOORS["tiny"])
+    t = lessons.t_quantile(0.975, len(seeds) - 1)
+    grey = (f"+-{t:.2f} x {noise:.2f} / sqrt({len(seeds)}), the 95% interval's half-width at the evaluation "
+            "noise alone:",
+            "the least a mean must exceed; the verdict also needs the seeds' own spread (docs/lessons.md)")
     fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4),
                                                     gridspec_kw={"width_ratios": [1.4, 1, 1, 1]})
     others = [m for m in results if m not in CONTROLS and m not in LONG and m not in ("grpo", "dpo_online_rm")]
@@ -383,7 +391,7 @@ def figures(results: dict, seeds: list[int], folder: str):
             band(judge, method, results[method])
     gain = "gain: held-out sampled accuracy - at step 0, points"
     kept.set(title="each method minus GRPO, seed by seed (each script's defaults)",
-             ylabel=f"final sampled accuracy - GRPO's, points\n(grey: +-2 x {noise:.2f} / sqrt(seeds), the noise)")
+             ylabel="final sampled accuracy - GRPO's, points\n(grey: the noise band, see the title)")
     judge.set(title="one reward model per seed, two ways to use it", xlabel="step", ylabel=gain)
     dpo = [m for m in ("dpo_offline", "dpo_offline_5e-5", "dpo_own_pairs") if m in results]
     for method in dpo:
@@ -393,7 +401,7 @@ def figures(results: dict, seeds: list[int], folder: str):
             moved.plot(steps, [statistics.fmean(run["dpo_curve"][i][key] for run in runs) / beta
                                for i in range(len(steps))], style, color=COLORS[method], label=f"{method}: {key}")
     moved.axhline(0, color="grey", lw=0.8)
-    moved.set(title="offline DPO: how far each answer moved (a change)", xlabel="step",
+    moved.set(title="offline DPO: how far each answer moved\n(a change)", xlabel="step",
               ylabel="log pi - log pi_ref, nats (0 = the start; mean over seeds)")
     shown = [m for m in dpo if m != "dpo_offline_5e-5"]  # its step-1 batch is dpo_offline's: the same bars
     for i, method in enumerate(shown):
@@ -402,14 +410,15 @@ def figures(results: dict, seeds: list[int], folder: str):
             level.bar(3 * i + j, value, color=COLORS[method], hatch="" if key == "chosen" else "//",
                       label=f"{method}: {key}")
     level.set_xticks([3 * i + 0.5 for i in range(len(shown))], shown, fontsize=8)
-    level.set(title="offline DPO's pairs at step 1 (a level; dpo_offline_5e-5's are dpo_offline's)",
+    level.set(title="offline DPO's pairs at step 1\n(a level; dpo_offline_5e-5's are dpo_offline's)",
               ylabel="summed log pi of the answers, nats (step 1, mean)")
     for ax in (kept, judge, moved, level):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"Each method from the same start per seed (sft.py, reward_model.py --seed s), {STEPS} steps, seeds "
                  f"{', '.join(map(str, seeds))}, 500 held-out problems x 4 samples; panel 2: mean over seeds and "
-                 "range (band). Each method's learning rate and KL weight differ: docs/dpo.md's table", fontsize=10)
+                 "range (band). Each method's learning rate and KL weight differ: docs/dpo.md's table.\n"
+                 f"Panel 1, grey: {' '.join(grey)}", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, folder, "syllabus.png"), dpi=100)
 
@@ -417,10 +426,10 @@ def figures(results: dict, seeds: list[int], folder: str):
              and c != "grpo_perfect_teacher"]  # its starts differ: its gain, not its final score, is compared
     fig, ax = plt.subplots(figsize=(max(11, 1.5 * len(pairs)), 5.5))
     paired_panel(ax, pairs, results, noise)
-    ax.set(ylabel=f"final sampled accuracy: control - row, points\n(grey: +-2 x {noise:.2f} / sqrt(seeds), the noise)",
-           title=f"Each control minus the row it changes (one thing; rule_ppo two: the reward and the critic's start), "
-                 f"{STEPS} steps (the _120 pair: 120),\nseed by seed (marker shape), the bar their mean; "
-                 "verdicts: docs/lessons.md")
+    ax.set_ylabel("final sampled accuracy: control - row, points\n(grey: the noise band, see the title)")
+    ax.set_title(f"Each control minus the row it changes (one thing; rule_ppo two: the reward and the critic's start), "
+                 f"{STEPS} steps (the _120 pair: 120),\nseed by seed (marker shape), the bar their mean. Grey: "
+                 + "\n".join(grey), fontsize=11)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
