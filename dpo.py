@@ -1,7 +1,8 @@
 """DPO: Direct Preference Optimization (Rafailov et al. 2023; TRL's DPOTrainer), offline and online.
 
-RLHF without a reward model: the policy learns from preference pairs (prompt x, chosen y_c, rejected
-y_r) with the reward model's Bradley-Terry loss, written with the policy's implicit reward
+RLHF from preference pairs, offline without a reward model, online judged by the checker or a reward model:
+the policy learns from pairs (prompt x, chosen y_c, rejected y_r) with the reward model's Bradley-Terry
+loss, written with the policy's implicit reward
 beta log(pi(y|x) / pi_ref(y|x)): the reward for which pi is the optimum of PPO's KL-regularised
 objective, up to a term of x alone that cancels in a pair (docs/dpo.md#where-the-loss-comes-from):
 
