@@ -171,8 +171,10 @@ def chain_table(chain: dict) -> str:
 def chain_figure(chain: dict, path: str):
     """docs/compare.png from docs/chain.json: SFT's held-out accuracy at the steps it was evaluated (points, not a
     curve), and each RL run's gain, its held-out sampled accuracy minus its own step-0 evaluation (SFT's model
-    sampled anew), with bars of +-2 x the noise of one evaluation (the noise floor of docs/lessons.md, a difference
-    of two evaluations, / sqrt 2): two curves closer than their bars cannot be told apart on one seed."""
+    sampled anew, the same draw for every run), with bars of +-2 x the noise of one evaluation (the noise floor of
+    docs/lessons.md, a difference of two evaluations, / sqrt 2). Those bars are for comparing curves, which share
+    the step-0 evaluation: two curves closer than their bars cannot be told apart on one seed. A gain against 0 is a
+    difference of two evaluations, whose noise is the floor itself."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +184,8 @@ def chain_figure(chain: dict, path: str):
     import lessons
     import syllabus
 
-    one_eval = lessons.rms(lessons.FLOORS["tiny"]) / 2**0.5
+    floor = lessons.rms(lessons.FLOORS["tiny"])  # two evaluations of one model: a difference's noise
+    one_eval = floor / 2**0.5
     runs = {r["output_dir"].split("/")[-1]: r for r in chain["runs"]}
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
     sft = runs["sft"]["evals"]
@@ -205,13 +208,15 @@ def chain_figure(chain: dict, path: str):
     right.axhline(0, color="grey", lw=0.8)
     right.set(title="RL from SFT's model: gain over its own step-0 evaluation", xlabel="RL step (a step's size differs:"
               " the legend)", ylabel=f"sampled accuracy - step 0's, points\n(bars: +-2 x {one_eval:.2f}, one "
-              "evaluation's noise)")
+              "evaluation's noise: see the title)")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"The quickstart at its defaults, seed 0, one run each ({chain['date']}, docs/chain.json); held-out: "
                  f"500 problems. Step 0 is SFT's model sampled again, not SFT's own final evaluation "
-                 f"({percent(runs['sft']['eval']['accuracy_sampled'])})", fontsize=9)
+                 f"({percent(runs['sft']['eval']['accuracy_sampled'])}).\nRight, bars: +-2 x {one_eval:.2f}, one "
+                 "evaluation's noise, for comparing curves (they share the step-0 evaluation); a gain against 0 is a "
+                 f"difference of two evaluations, noise {floor:.2f}: +-2 x {floor:.2f}", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, path), dpi=100)
 
