@@ -40,6 +40,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS, OUT, JSON, FIGURE = "out/syllabus", "out/distill_runs", "docs/distill_runs.json", "docs/distill.png"
@@ -220,9 +221,14 @@ def prose(data: dict) -> list[str]:
     ]
 
 
+SEED_MARKERS = ("o", "s", "^", "D", "v")  # one a seed in the two students' panels, the teachers' marks included
+
+
 def figure(data: dict):
+    """docs/distill.png: each student's arms, one line a seed (marker: the seed), beside each seed's own teacher
+    (a black mark of the same shape at the right edge); and each arm's final accuracy minus GRPO's, per seed."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), gridspec_kw={"width_ratios": [1, 1, 0.8]})
-    teacher = statistics.fmean(100 * t["accuracy_sampled"] for t in data["teachers"].values())
+    teachers = {int(seed): 100 * t["accuracy_sampled"] for seed, t in data["teachers"].items()}
     paired = axes[2]
     for i, (who, marker) in enumerate(zip(STUDENTS, ("o", "s"))):
         grpo = data["results"][who]["grpo"]
@@ -239,18 +245,23 @@ def figure(data: dict):
     for ax, who in zip(axes, STUDENTS):
         for name in ARMS:
             for i, r in enumerate(data["results"][who][name]):
-                ax.plot([e["step"] for e in r["evals"]], [e["sampled"] for e in r["evals"]], marker="o",
-                        color=COLORS[name], alpha=0.75, label=name if i == 0 else None)
-        ax.axhline(teacher, color="black", linestyle=":", label="teacher (mean of seeds)")
+                ax.plot([e["step"] for e in r["evals"]], [e["sampled"] for e in r["evals"]],
+                        marker=SEED_MARKERS[r["seed"] % len(SEED_MARKERS)], color=COLORS[name], alpha=0.75,
+                        label=name if i == 0 else None)
+        for i, (seed, value) in enumerate(sorted(teachers.items())):
+            ax.scatter(44, value, marker=SEED_MARKERS[seed % len(SEED_MARKERS)], color="black", s=40, zorder=3,
+                       label="each seed's teacher (its marker)" if i == 0 else None)
         ax.set(title=f"{who} ({STUDENTS[who]}): one line a seed", xlabel="step (128 sampled completions each)",
-               xticks=[0, 20, 40])
+               xticks=[0, 20, 40], xlim=(-2, 47))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out accuracy, sampled (%)")
     low = min(e["sampled"] for who in STUDENTS for runs in data["results"][who].values() for r in runs
               for e in r["evals"])
     for ax in axes[:2]:
-        ax.set_ylim(low - 3, max(teacher, 85) + 3)
+        ax.set_ylim(low - 3, max(*teachers.values(), 85) + 3)
     axes[0].legend(fontsize=8)
+    axes[1].legend(handles=[Line2D([], [], marker=SEED_MARKERS[s % len(SEED_MARKERS)], color="grey", linestyle="none",
+                                   label=f"seed {s}") for s in sorted(teachers)], fontsize=8, loc="lower right")
     fig.suptitle(f"On-policy distillation (gkd), SFT on the teacher's samples, GRPO: {len(data['seeds'])} seeds")
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, FIGURE), dpi=110)
