@@ -1188,7 +1188,8 @@ def save_figure(fig, path: str):
 
 def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
     """One subplot per panel (its metric names vs step) from metrics.jsonl -> <output_dir>/<title>.png;
-    returns the file's name."""
+    returns the file's name. A metric logged at two steps or fewer (an SFT run's evaluations) is drawn as
+    points only: a line between two evaluations would show a trend that was not measured."""
     name = title.lower().replace(" ", "_") + ".png"
     if not is_main_process():
         return name
@@ -1204,7 +1205,8 @@ def plot_metrics(output_dir: str, panels: dict[str, list[str]], title: str):
         for key in keys:
             points = [(row["step"], row[key]) for row in rows if key in row]
             if points:
-                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=key)
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3 if len(points) > 2 else 5,
+                        linestyle="-" if len(points) > 2 else "none", label=key)
         ax.set_title(panel)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
