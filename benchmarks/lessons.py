@@ -7,17 +7,16 @@ agent_smollm2/, smollm2_runs/, distill_runs.json, majority_vote.json, entropy_re
 
 A lesson compares two arms that share each seed's start (the SFT model, the reward model, the seed of
 the RL run), so each seed gives one paired difference d_s = arm B - arm A of a final held-out score, and
-the seed-to-seed spread of the starts cancels. The rule (stated once, in docs/lessons.md):
+the start's own level cancels. The rule (stated in full in docs/lessons.md, function by function here):
 
-  noise floor  s0: the root mean square of the difference between two evaluations of one model (the
-               same weights, other random draws), from the runs' own evaluations; per evaluation size
-  standard error of the mean difference: SE = max(sd(d), s0) / sqrt(n), n seeds
-  a difference is   shown      every seed agrees in sign and |mean| > 2 SE
-                    a lead     every seed agrees in sign, |mean| <= 2 SE
-                    not shown  the seeds disagree in sign
-                    one run    a single seed
-  no difference is  shown      |mean| <= 2 SE (within what this many seeds can resolve)
-                    not shown  |mean| > 2 SE (there is one)
+  s0          the score's noise: measured where one model was evaluated twice, else a bound (binomial,
+              Hoeffding's for scores read off k of n samples, von Neumann's for a training statistic)
+  SE          max(sd(d), s0) / sqrt(n), n seeds; the 95% interval mean +- t(0.975, n - 1) SE
+  B > A, B < A   shown (the interval excludes 0; one-sided 5% where the direction was committed before
+              the runs), the other way, a lead (every seed agrees, the interval holds 0), not shown, one run
+  B = A       no difference within +-2 points (two one-sided tests: the 90% interval inside +-2),
+              not resolved, a difference
+  Holm        the correction over every row with a test, beside each verdict
 
 Rows that compare nothing (a derivation, a quantity measured without a control, a cause no run
 isolated) say so instead of a verdict. Each row names what its two arms differ in; a row whose arms
@@ -152,7 +151,8 @@ def binomial_noise(*arms: tuple[dict, int]) -> float:
 def step_noise(b: list[list[float]], a: list[list[float]], scale: float = 1000.0) -> float:
     """s0 of the difference of two means of the last 10 steps of a training statistic (the entropy), from the
     runs' own step-to-step scatter: each run's variance per step is half the mean squared difference of
-    successive steps 31-40 (von Neumann's estimator, blind to a slow drift), so its 10-step mean carries
+    successive steps 31-40 (von Neumann's estimator: a slow drift of b a step adds only b^2 / 2; it takes the
+    steps as independent draws), so its 10-step mean carries
     that / 10; summed over the two arms, then the root mean square over the seeds. In millinats."""
     def var_of_mean(steps: list[float]) -> float:
         last = [scale * e for e in steps[-10:]]
@@ -233,14 +233,15 @@ def verdict(diffs: list[float], claim: str, noise: float, margin: float = MARGIN
 def holm(rows: list[dict]) -> None:
     """Holm's step-down correction over every row with a test: the i-th smallest of m p-values is multiplied by
     m - i + 1 (and kept at least the one before it); a row passes when its adjusted p is below 0.05. Sets
-    row['holm_p'] and row['holm'] (the verdict when it passes, 'not after Holm' when it does not)."""
+    row['holm_p'] and row['holm']: the verdict when it passes, 'not after Holm' when a shown or no-difference verdict
+    does not, '-' when the raw verdict claimed nothing to correct."""
     tested = sorted((row for row in rows if row.get("p") is not None), key=lambda row: row["p"])
     m, running = len(tested), 0.0
     for i, row in enumerate(tested):
         running = max(running, min(1.0, (m - i) * row["p"]))
         row["holm_p"] = running
-        passes = running < 0.05 and (row["verdict"] == "shown" or row["verdict"].startswith("no difference"))
-        row["holm"] = row["verdict"] if passes else "not after Holm"
+        claimed = row["verdict"] == "shown" or row["verdict"].startswith("no difference")
+        row["holm"] = (row["verdict"] if running < 0.05 else "not after Holm") if claimed else "-"
 
 
 def simulate(n: int, sigma: float, noise: float, effect: float, claim: str, reps: int, seed: int) -> float:
@@ -441,7 +442,8 @@ def lessons() -> list[dict]:
              where="README.md; docs/dpo.md; docs/experiments.md",
              arms="grpo -> grpo_perfect_teacher", differs="the SFT data: a perfect teacher's demonstrations "
              "(the start is also higher: less to gain)", unit="points of gain (step 40 - step 0)",
-             **paired(gain("grpo_perfect_teacher"), gain("grpo"), "down")),
+             **paired(gain("grpo_perfect_teacher"), gain("grpo"), "down", math.sqrt(2) * TINY,
+                      "measured, 500 x 4; a difference of two gains, sqrt(2) s0")),
         dict(id="L11", lesson="MIX ends above GRPO at 40 steps",
              where="docs/dpo.md (the side by side); docs/mix.md", arms="grpo -> mix",
              differs="MIX's expert rows and their loss; also 12 prompts a step instead of 16",
@@ -491,7 +493,8 @@ def lessons() -> list[dict]:
              differs="40 GRPO steps", unit="points of pass@1 (200 problems x 64 samples)",
              **paired(pass_at_k("grpo", "1"), pass_at_k("sft", "1"), "up",
                       *pick_noise(pass_at_k("grpo", "1"), pass_at_k("sft", "1"), 1, 1))),
-        dict(id="L22", lesson="GRPO changes the tiny model's pass@64 no more than the noise (both at the ceiling)",
+        dict(id="L22", lesson="GRPO leaves the tiny model's pass@64 unchanged (SFT's is already near 100%, so a "
+                              "2-point rise is out of reach: the test can fail on one side only)",
              where="docs/best_of_n.md", arms="SFT -> GRPO (best_of_n.json)", differs="40 GRPO steps",
              unit="points of pass@64 (200 problems x 64 samples)",
              **paired(pass_at_k("grpo", "64"), pass_at_k("sft", "64"), "same",
@@ -645,7 +648,7 @@ def lessons() -> list[dict]:
              evidence="clip_fraction of the grpo and rm_ppo rows: "
                       + ", ".join(f"{run['means'].get('clip_fraction', run['means'].get('clip_fraction/actor')):g}"
                                   for m in ("grpo", "rm_ppo") for run in s[m]) + " (every seed)"),
-        dict(id="L24", lesson="Four updates help GRPO, and not through the clip",
+        dict(id="L24", lesson="If four updates help GRPO (L1), it is not through the clip",
              where="docs/dpo.md (the controls)", kind="a cause no run isolated",
              evidence="the clip acted on " + ", ".join(f"{100 * run['means']['clip_fraction']:.2f}%"
                                                       for run in s["grpo_4_iterations"])
@@ -661,7 +664,8 @@ def lessons() -> list[dict]:
                  f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["results"]["base"]) + " against the start's "
              + ", ".join(f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["sft_pass@k"])),
         dict(id="L26", lesson="A reward model's accuracy on the policy's own pairs predicts PPO's gain",
-             where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control",
+             where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control; the "
+                                                                     "committed runs do not support it",
              evidence="policy-pair accuracy " + ", ".join(
                  f"{100 * SYLLABUS['starts'][str(sd)]['rm']['policy_pairwise_accuracy']:.1f}%" for sd in SEEDS)
              + " against rm_ppo's gains " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo").values())
@@ -751,6 +755,8 @@ def page() -> str:
     rows = lessons()
     holm(rows)
     tested = sum(row.get("p") is not None for row in rows)
+    kept = [row for row in rows if row.get("holm", "-") not in ("-", "not after Holm")]
+    five = sum(len(row.get("diffs", [])) >= 5 for row in rows)
     out = [
         "# The lessons' ledger",
         "",
@@ -762,7 +768,8 @@ def page() -> str:
         "## The rule",
         "",
         "Two arms share each seed's start (the SFT model, the reward model, the RL run's seed), so each seed",
-        "gives a paired difference d = B - A of a final score, and the spread of the starts cancels.",
+        "gives a paired difference d = B - A of a final score: the start's own level cancels, and what the",
+        "start does to the difference itself stays in the seeds' spread.",
         "",
         "- **The score's noise** s0, the spread of d that evaluation alone would give. Where one model was",
         "  evaluated twice (the same weights, new random draws), it is measured: the tiny model's 500 problems",
@@ -770,8 +777,11 @@ def page() -> str:
         f"  {TINY:.2f}), SmolLM2's 64 x 4 by {', '.join(f'{d:+.2f}' for d in big)} (root mean square {SMOLLM2:.2f}).",
         "  A training statistic (the entropy of steps 31-40) takes each run's step-to-step scatter. Any other",
         "  score takes the binomial bound at its own size and level, p(1 - p) / draws for each arm (over a fixed",
-        "  set of problems the variance is the mean of p_i (1 - p_i) / draws, never more): a subset of problems,",
-        "  200 x 64 samples and call rates have their own. Each row names its s0 and where it comes from.",
+        "  set of problems the variance is the mean of p_i (1 - p_i) / draws, never more): a subset of problems",
+        "  and call rates have their own. A score read off k of n samples per problem (pass@k, a vote, a pick,",
+        "  averaged over the k-subsets of the same n) counts problems x n / k draws: the variance of such an",
+        "  average (a U-statistic of order k) is at most k / n of one draw's (Hoeffding 1948). Each row names its",
+        "  s0 and where it comes from; a difference of two gains (four evaluations) takes sqrt(2) s0.",
         "- **Standard error** of the mean of n seeds: SE = max(sd(d), s0) / sqrt(n); the **95% interval** is",
         f"  mean +- t(0.975, n - 1) SE: {t_quantile(0.975, 2):.2f} SE with 3 seeds, {t_quantile(0.975, 4):.2f} with 5.",
         "- **A difference** (B > A or B < A) is *shown* when the 95% interval excludes 0 on the claimed side (a",
@@ -788,7 +798,11 @@ def page() -> str:
         f"- **Many rows at once.** {tested} rows carry a test; by chance alone some would pass. The column *after",
         "  Holm* applies Holm's correction over all of them (the i-th smallest p-value is multiplied by",
         f"  {tested} - i + 1): a verdict kept there holds with at most a 5% chance that any of the {tested} is a",
-        "  false one. The raw verdict is what each row's own test gives; the pages quote it and say so.",
+        "  false one. To pass, a row's t must exceed "
+        f"{t_quantile(1 - 0.025 / tested, 2):.1f} with 3 seeds and {t_quantile(1 - 0.025 / tested, 4):.1f} with 5;",
+        f"  {len(kept)} of them do" + (f" ({', '.join(row['id'] for row in kept)})." if kept else ".")
+        + " The pages quote each row's own verdict, the one a reader of that lesson alone would",
+        "  draw; this column says which would survive a reader who counts every row at once.",
         "- A row whose arms differ in more than one thing says so: its verdict is about the two arms, not",
         "  about one cause.",
         "",
@@ -809,11 +823,13 @@ def page() -> str:
         "The first and third columns are the rule's errors: at most 2.5% (a two-sided 5% test, on the claimed",
         "side) and 5% (two one-sided tests at 5%); s0 makes both smaller when the seeds' spread is near it. The",
         "second and fourth are what three seeds can do: a 2-point effect is rarely shown, and no difference is",
-        "rarely resolved, which is why the course's lessons run on five seeds where it leans on them.",
+        f"rarely resolved, which is why the comparisons the README quotes ran on five seeds ({five} rows here",
+        "have five or more).",
         "",
-        "Not taken: a problem-level paired view. The arms of a row share the held-out problems, so their",
-        "difference is less noisy than two independent evaluations; the per-problem answers of most runs are",
-        "not committed, so s0 here is the larger, unpaired figure (the rule errs on the safe side).",
+        "Not taken: a problem-level view. The per-problem answers of most runs are not committed. They would",
+        "replace the binomial bound's p(1 - p) by the mean of p_i (1 - p_i) (a smaller s0), and, for rows whose",
+        "arms keep answers from the same samples (best-of-N, the vote), give the two arms' covariance; the",
+        "measured s0 would not shrink, since two evaluations' draws are independent given the problems.",
         "",
         "## Comparisons",
         "",

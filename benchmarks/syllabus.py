@@ -292,13 +292,14 @@ def answers(run: dict) -> str:
 
 def table(results: dict) -> str:
     """The side-by-side table of the runs of STEPS steps: mean (range over seeds)."""
-    lines = [f"| method | answers a step ({STEPS} steps) | lr, KL weight | minutes on one core (+ reward model) | "
-             f"step 0 | step {STEPS} | gain (points) | greedy at {STEPS} |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"| method | seeds | answers a step ({STEPS} steps) | lr, KL weight | minutes on one core (+ reward "
+             f"model) | step 0 | step {STEPS} | gain (points) | greedy at {STEPS} |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for method, runs in ((m, runs) for m, runs in results.items() if m not in LONG):
         minutes = statistics.fmean(run["cost"]["cpu_minutes"] for run in runs)
         rm = f" (+{statistics.fmean(r['rm_cost']['cpu_minutes'] for r in runs):.1f})" if "rm_cost" in runs[0] else ""
-        lines.append(f"| {method} | {answers(runs[0])} | {given(runs[0])} | {minutes:.1f}{rm} | "
+        seeds = ", ".join(str(run["seed"]) for run in runs)
+        lines.append(f"| {method} | {seeds} | {answers(runs[0])} | {given(runs[0])} | {minutes:.1f}{rm} | "
                      f"{spread([run['evals'][0]['sampled'] for run in runs])} | "
                      f"{spread([run['evals'][-1]['sampled'] for run in runs])} | {spread(gains(runs))} | "
                      f"{spread([run['evals'][-1]['greedy'] for run in runs])} |")
@@ -378,9 +379,8 @@ def figures(results: dict, seeds: list[int], folder: str):
     import lessons  # the noise floor: one model evaluated twice (benchmarks/lessons.py)
 
     noise = lessons.rms(lessons.FLOORS["tiny"])
-    t = lessons.t_quantile(0.975, len(seeds) - 1)
-    grey = (f"+-{t:.2f} x {noise:.2f} / sqrt({len(seeds)}), the 95% interval's half-width at the evaluation "
-            "noise alone:",
+    grey = (f"+-t(0.975, n - 1) x {noise:.2f} / sqrt(n), n a pair's seeds, the 95% interval's half-width at the "
+            "evaluation noise alone:",
             "the least a mean must exceed; the verdict also needs the seeds' own spread (docs/lessons.md)")
     fig, (kept, judge, moved, level) = plt.subplots(1, 4, figsize=(22, 5.4),
                                                     gridspec_kw={"width_ratios": [1.4, 1, 1, 1]})
