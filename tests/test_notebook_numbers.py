@@ -173,7 +173,7 @@ QUOTES = [
           r"goes from (\d) to ([\d.]+) and ([\d.]+) at the second and third updates, then falls a little at the "
           r"fourth \(([\d.]+)\)", 28, tuple(rf"update {n}: clip_fraction ([\d.]+)" for n in range(1, 5))),
     Quote("04_grpo", "the policy trained with the KL term",
-          r"\(k3 ([\d.]+) against ([\d.]+) with beta 0\) after the same (\d+) steps", 30,
+          r"\(k3 ([\d.]+) against ([\d.]+) with beta 0\) after the same (\d+) steps", 31,
           (r"beta 0\.04: k3 .*? ([\d.]+)\n", r"beta 0\.0: k3 .*? ([\d.]+)\n", r"after (\d+) steps")),
     # 05: MIX
     Quote("05_mix", "With a batch of 32 rows",
