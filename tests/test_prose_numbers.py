@@ -470,7 +470,7 @@ def test_grpo_page_quotes_the_committed_entropy_runs():
     assert f"the clip acts on {clip:.2f}% of tokens" in page
     hot = [statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in results["temperature_1.2"]]
     assert (f"{mean('temperature_1.2', 'first'):.3f} at step 1), fell more ({statistics.fmean(hot):.3f}), and the "
-            f"gain was the same ({gain(results['temperature_1.2']):.1f})") in page
+            f"gain was about the same ({gain(results['temperature_1.2']):.1f})") in page
 
 
 
@@ -740,10 +740,10 @@ def test_majority_vote_table_is_the_committed_runs():
 
 def test_entropy_remedies_table_is_the_committed_runs():
     """docs/grpo.md's remedies table is what benchmarks/entropy_remedies.py prints from the committed
-    docs/entropy_remedies.json (3 seeds, the aggressive setting and four remedies, pass@k of each)."""
+    docs/entropy_remedies.json (5 seeds, the aggressive setting and four remedies, pass@k of each)."""
     entropy_remedies = load_benchmark("entropy_remedies")
     saved, page = json.loads(read("docs", "entropy_remedies.json")), read("docs", "grpo.md")
-    assert saved["seeds"] == [0, 1, 2]
+    assert saved["seeds"] == [0, 1, 2, 3, 4]
     assert "\n".join(entropy_remedies.tables(saved)) in page
     for sentence in entropy_remedies.prose(saved):
         assert sentence in " ".join(page.split()), sentence
