@@ -664,8 +664,8 @@ def lessons() -> list[dict]:
                  f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["results"]["base"]) + " against the start's "
              + ", ".join(f"{100 * r['pass@k']['16']:.1f}%" for r in REMEDIES["sft_pass@k"])),
         dict(id="L26", lesson="A reward model's accuracy on the policy's own pairs predicts PPO's gain",
-             where="docs/classic_rlhf.md; docs/metrics.md", kind="a correlation over 3 seeds, no control; the "
-                                                                     "committed runs do not support it",
+             where="docs/classic_rlhf.md; docs/metrics.md",
+             kind=f"a correlation over {len(SEEDS)} seeds, no control; the committed runs do not support it",
              evidence="policy-pair accuracy " + ", ".join(
                  f"{100 * SYLLABUS['starts'][str(sd)]['rm']['policy_pairwise_accuracy']:.1f}%" for sd in SEEDS)
              + " against rm_ppo's gains " + ", ".join(f"{g:+.2f}" for g in gain("rm_ppo").values())
@@ -709,7 +709,7 @@ def lessons() -> list[dict]:
                       "seed (docs/real_models.md); suggestive only"),
         dict(id="L32", lesson="SFT's greedy answer is right more often than its careless teacher",
              where="README.md (the task and the data)", kind="a measurement per seed against the teacher's rate",
-             evidence="held-out greedy accuracy of the three SFT starts "
+             evidence=f"held-out greedy accuracy of the {len(SEEDS)} SFT starts "
              + ", ".join(f"{100 * SYLLABUS['starts'][str(sd)]['sft']['accuracy_greedy']:.1f}%" for sd in SEEDS)
              + " against the 79.7% of the teacher's demonstrations that are right (data/demos); the margin on "
                "seed 1 is within the noise"),

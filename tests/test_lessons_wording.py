@@ -52,7 +52,6 @@ LINK = re.compile(r"\[L(\d+)\]\([^)]*lessons\.md[^)]*\)")
 HELP_REF = re.compile(r"lessons\.md,? L(\d+)")
 
 NOT_LESSONS = {  # (page, the sentence's first words): why it is no lesson of the ledger
-    ("README.md", "The step-0 evaluation is SFT's model again"): "the noise floor: one model evaluated twice",
     ("docs/agent.md", "A call is worth its price when"): "arithmetic of the reward",
     ("docs/classic_rlhf.md", "One thread adds floats"): "the float order's effect on one SFT run, described",
     ("docs/classic_rlhf.md", "(Each sampled accuracy is a mean"): "one seed's training metrics, described",

@@ -90,7 +90,7 @@ def test_the_pages_quote_the_committed_side_by_side():
             f"({min(grpo):.1f} to {max(grpo):.1f})") in pages["best_of_n.md"]
     per_seed = [f"{a - b:+.1f}" for a, b in zip(rft, grpo)]
     assert (f"{statistics.fmean(rft):.1f} points ({min(rft):.1f} to {max(rft):.1f}) against GRPO's "
-            f"{statistics.fmean(grpo):.1f}, more on each seed ({per_seed[0]}, {per_seed[1]} and {per_seed[2]};"
+            f"{statistics.fmean(grpo):.1f}, per seed {', '.join(per_seed[:-1])} and {per_seed[-1]} (shown"
             ) in pages["dpo.md"]
     minutes = [statistics.fmean(run["cost"]["cpu_minutes"] for run in results[m]) for m in ("rft", "grpo")]
     assert f"({minutes[0]:.1f} minutes against {minutes[1]:.1f})" in pages["dpo.md"]
