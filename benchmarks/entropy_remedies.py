@@ -125,8 +125,8 @@ def tables(data: dict) -> list[str]:
     """The markdown table docs/grpo.md quotes (tests/test_prose_numbers.py holds the page to it): mean (range over
     seeds); the entropy in nats per completion token; the final sampled accuracy's difference to base, per seed."""
     base = data["results"]["base"]
-    lines = ["| arm | entropy, step 1 | entropy, steps 31-40 | groups all alike, steps 31-40 | final accuracy | "
-             "minus base, per seed | pass@1 | pass@16 | minutes, one core |", "| --- |" + " --- |" * 8]
+    lines = ["| arm | entropy, step 1 | entropy, steps 31-40 | groups with equal rewards, steps 31-40 | "
+             "final accuracy | minus base, per seed | pass@1 | pass@16 | minutes, one core |", "| --- |" + " --- |" * 8]
     for seed_runs in [{"arm": "sft (the start)", "runs": data["sft_pass@k"]}]:
         lines.append(f"| {seed_runs['arm']} | | | | | | {cell([100 * r['pass@k']['1'] for r in seed_runs['runs']])} | "
                      f"{cell([100 * r['pass@k']['16'] for r in seed_runs['runs']])} | |")

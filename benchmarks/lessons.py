@@ -364,7 +364,8 @@ def kept(model: str, way: str, k: str) -> dict:
 REMEDY_ARMS = [("clip_higher", "Clip-higher", "--epsilon_high 0.28 instead of 0.2"),
                ("entropy_bonus", "An entropy bonus", "--entropy_coeff 0.02 instead of 0"),
                ("clip_cov", "Clip-Cov", "--loss_mode clip_cov (2% of tokens) instead of vanilla"),
-               ("kl_cov", "KL-Cov", "--loss_mode kl_cov (2% of tokens) instead of vanilla")]
+               ("kl_cov", "KL-Cov", "two things: the KL-Cov penalty on 2% of tokens, and no clip on any token (as in "
+                                   "the reference code)")]
 
 
 def remedy(arm: str, key: str = "final") -> dict:
@@ -830,10 +831,10 @@ def page() -> str:
         "The first and third columns are the rule's errors: at most 2.5% (a two-sided 5% test, on the claimed",
         "side) and 5% (two one-sided tests at 5%); s0 makes both smaller when the seeds' spread is near it. The",
         "second and fourth are what three seeds can do: a 2-point effect is rarely shown, and no difference is",
-        f"rarely resolved, which is why the comparisons the README quotes ran on five seeds ({five} rows here",
-        "have five or more). Even five seeds resolve a 2-point effect reliably only when the seeds' spread is",
-        "near s0: where sd(d) is 1.5 to 2 points, as for several of the README's rows, a verdict of not shown",
-        "is weak evidence either way. Seeds 3 and 4 ran after seeds 0-2 had been read (on 2026-11-29, on",
+        "rarely resolved, which is why the comparisons the README quotes ran on five seeds, L4 apart",
+        f"({five} rows here have five or more). Even five seeds resolve a 2-point effect reliably only when the",
+        "seeds' spread is near s0: where sd(d) is 1.5 to 2 points, as for several of the README's rows, a",
+        "verdict of not shown is weak evidence either way. Seeds 3 and 4 ran after seeds 0-2 had been read (on 2026-11-29, on",
         "another machine of two cores, with the same code), for the rows the course leans on: the simulation",
         "takes the seeds as drawn alike, and a machine's float order is part of what a seed draws.",
         "",
