@@ -156,8 +156,8 @@ def step_noise(b: list[list[float]], a: list[list[float]], scale: float = 1000.0
     """s0 of the difference of two means of the last 10 steps of a training statistic (the entropy), from the
     runs' own step-to-step scatter: each run's variance per step is half the mean squared difference of
     successive steps 31-40 (von Neumann's estimator: a slow drift of b a step adds only b^2 / 2; it takes the
-    steps as independent draws), so its 10-step mean carries
-    that / 10; summed over the two arms, then the root mean square over the seeds. In millinats."""
+    steps as independent draws), so its 10-step mean carries that / 10; summed over the two arms, then the root
+    mean square over the seeds. In millinats (scale: nats to millinats)."""
     def var_of_mean(steps: list[float]) -> float:
         last = [scale * e for e in steps[-10:]]
         return statistics.fmean((y - x) ** 2 for x, y in zip(last, last[1:])) / 2 / len(last)
@@ -197,7 +197,11 @@ def t_quantile(p: float, df: int) -> float:
     """The t with P(T <= t) = p (p > 0.5), by bisection: 4.303 for p 0.975 and df 2."""
     low, high = 0.0, 1e3
     for _ in range(100):
-        low, high = ((low + high) / 2, high) if 1 - t_above((low + high) / 2, df) < p else (low, (low + high) / 2)
+        middle = (low + high) / 2
+        if 1 - t_above(middle, df) < p:  # P(T <= middle) below p: the quantile is higher
+            low = middle
+        else:
+            high = middle
     return (low + high) / 2
 
 
@@ -205,6 +209,11 @@ def verdict(diffs: list[float], claim: str, noise: float, margin: float = MARGIN
     """The rule of the module docstring on paired differences d (B - A, one a seed). claim: 'up' or 'down'
     (a difference of that sign) or 'same' (no difference); noise: s0, the score's evaluation noise in its
     units; registered: the claim and its direction were committed before the runs (a one-sided test).
+
+        SE = max(sd(d), s0) / sqrt(n),  df = n - 1,  95% interval: mean +- t(0.975, df) SE
+        up / down (sign s = +1 / -1):  p = 2 P(T > s mean / SE)  (P(T > s mean / SE) if registered); shown if p < 0.05
+        same:  p = max(P(T > (mean + m) / SE), P(T > (m - mean) / SE))  (two one-sided tests); within +-m if p < 0.05
+
     Returns the verdict, the mean, SE, the 95% interval and the p-value of the claim's test."""
     n, mean = len(diffs), statistics.fmean(diffs) + 0.0  # + 0.0: no "-0.00"
     se = max(statistics.stdev(diffs) if n > 1 else 0.0, noise) / math.sqrt(n)
@@ -295,11 +304,10 @@ def calls_noise(arm: str, kinds_b: tuple, kinds_a: tuple) -> float:
     """s0 of agent_call_rate(arm, kinds_b) - agent_call_rate(arm, kinds_a): each kind's call rate is a share of
     its problems x 4 episodes (binomial bound), each side the mean over its kinds (the variance over the number
     of kinds squared); the two sides hold other problems, so their variances add. In points."""
-    sizes = KIND_SIZES
     per_seed = []
     for run in AGENT["results"][arm].values():
         last = run["evals"][-1]
-        side = [sum(last[f"call_rate/{k}"] * (1 - last[f"call_rate/{k}"]) / (4 * sizes[k]) for k in kinds)
+        side = [sum(last[f"call_rate/{k}"] * (1 - last[f"call_rate/{k}"]) / (4 * KIND_SIZES[k]) for k in kinds)
                 / len(kinds) ** 2 for kinds in (kinds_b, kinds_a)]
         per_seed.append(sum(side))
     return 100 * math.sqrt(statistics.fmean(per_seed))
