@@ -21,11 +21,14 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 TRAINER, EXPLORER = 0, 1  # the two ranks
+NAMES = ("the trainer", "the explorer")
+STOP_GRACE_SECONDS = 10  # launch: how long a process may outlive its failed peer
 START, EXPERIENCE, SCORES, WEIGHTS = 1, 2, 3, 4  # message tags: each kind arrives in the order it was sent
 
 
@@ -74,7 +77,7 @@ class Pair:
 
     def __init__(self, rank: int, address: str, port: int, timeout_minutes: float):
         self.rank, self.peer = rank, 1 - rank
-        self.peer_name = ("the explorer", "the trainer")[rank]
+        self.peer_name = NAMES[1 - rank]
         self.pending = []  # sends in flight, with the buffers they read (kept alive until sent)
         timeout = datetime.timedelta(minutes=timeout_minutes)
         with self.watch():
@@ -87,9 +90,8 @@ class Pair:
         try:
             yield
         except RuntimeError:  # gloo: "Connection closed by peer", "Connection reset by peer", a timeout
-            me = ("the trainer", "the explorer")[self.rank]
-            raise PeerStopped(f"error: {self.peer_name} stopped, so {me} stops too (its message above says why; the "
-                              "last checkpoint is kept: --resume continues from it)") from None
+            raise PeerStopped(f"error: {self.peer_name} stopped, so {NAMES[self.rank]} stops too (its message above "
+                              "says why; the last checkpoint is kept: --resume continues from it)") from None
 
     def send_object(self, obj, tag: int):
         """Send any picklable object (a batch, scores): its size, then its bytes."""
@@ -162,9 +164,10 @@ def role() -> tuple[int, str, int] | None:
 
 def launch() -> int:
     """Start this script twice, as the trainer (rank 0) and the explorer (rank 1), with torchrun's
-    variables, each with half the CPU's threads unless OMP_NUM_THREADS says otherwise; wait for both.
-    When one stops with an error, the other stops on its next message (Pair.watch). Returns the exit
-    status: the first non-zero one."""
+    variables, each with half the CPU's threads unless OMP_NUM_THREADS says otherwise, and wait for both.
+    When one stops with an error, the other stops on its next message (Pair.watch); one that is not
+    yet connected (a peer that died before the two met) is stopped here after a few seconds, as
+    torchrun stops the rest of a group whose process failed. Returns the first non-zero exit status."""
     with socket.socket() as s:  # a free port for the pair's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -174,8 +177,19 @@ def launch() -> int:
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                                        "OMP_NUM_THREADS": threads})
                  for rank in (TRAINER, EXPLORER)]
+    failed_at = None
     try:
-        codes = [p.wait() for p in processes]
+        while any(p.poll() is None for p in processes):
+            if failed_at is None and any(p.poll() for p in processes):  # one stopped with an error
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_SECONDS:
+                for rank, p in enumerate(processes):
+                    if p.poll() is None:
+                        p.terminate()
+                        print(f"error: {NAMES[1 - rank]} stopped before the two processes met, so {NAMES[rank]} was "
+                              "stopped", file=sys.stderr)
+            time.sleep(0.1)
     except KeyboardInterrupt:  # Ctrl-C reached the children too: let them stop
-        codes = [p.wait() for p in processes]
-    return next((code for code in codes if code), 0)
+        pass
+    codes = [p.wait() for p in processes]
+    return next((1 if code < 0 else code for code in codes if code), 0)  # < 0: killed by a signal
