@@ -146,10 +146,11 @@ def explorer(cfg: Config, pair: synchronizer.Pair):
     for i in range(start["first_batch"], cfg.max_steps + 1):
         while version < synchronizer.version_for_batch(i, *schedule(cfg)):  # wait for the weights batch i needs
             version = load_next_version()
+        started = time.perf_counter()
         step_data = train_data[data_rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         batch = grpo.sample_and_score(model, tokenizer, step_data, cfg)  # grpo.py's steps 1 and 2
-        pair.send_object({"batch": moved(batch, "cpu"), "version": version, "generators": generators(data_rng)},
-                         EXPERIENCE)  # into the trainer's buffer; the explorer goes on at once
+        pair.send_object({"batch": moved(batch, "cpu"), "version": version, "generators": generators(data_rng),
+                          "seconds": time.perf_counter() - started}, EXPERIENCE)  # into the buffer; goes on at once
     while version < cfg.max_steps:  # the last versions, for their scores
         version = load_next_version()
     pair.close()
@@ -301,11 +302,12 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
         else:
             metrics, completions = grpo.step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
                                                  loss, grad_norm, scheduler, cfg)
-        run.end_step({**metrics, "staleness": step - 1 - message["version"]}, completions)  # evaluate, save
+        run.end_step({**metrics, "off_policy/mean": step - 1 - message["version"],  # staleness (prime-rl's name)
+                      "explorer/time_sampling": message["seconds"]}, completions)  # evaluate, save
 
     plots = {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
              "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
-             "staleness (updates)": ["staleness"], "seconds per step": ["time/step", "time/waiting"]}
+             "staleness (updates)": ["off_policy/mean"], "seconds per step": ["time/step", "time/waiting"]}
     run.finish(tokenizer, {"": model}, plots, f"asynchronous {cfg.algorithm.upper()}")
     pair.close()
     return model
