@@ -55,6 +55,7 @@ import grpo
 import mix
 from common import setting
 from lib import distributed, harness, rollout, synchronizer
+from lib.checks import check_settings
 from lib.synchronizer import EXPERIENCE, SCORES, START
 
 ALGORITHMS = ("grpo", "mix")
@@ -303,7 +304,7 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
             metrics, completions = grpo.step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
                                                  loss, grad_norm, scheduler, cfg)
         run.end_step({**metrics, "off_policy/mean": step - 1 - message["version"],  # staleness (prime-rl's name)
-                      "explorer/time_sampling": message["seconds"]}, completions)  # evaluate, save
+                      "time/explorer_sampling": message["seconds"]}, completions)  # evaluate, save
 
     plots = {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
              "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
@@ -319,7 +320,8 @@ def main(cfg: Config, rank: int, address: str, port: int):
 
 
 if __name__ == "__main__":
-    config = common.parse_config(Config)  # --help and bad settings are answered before any process starts
+    config = common.parse_config(Config)
+    check_settings(config)  # --help and bad settings are answered before any process starts
     me = synchronizer.role()  # (rank, address, port) in one of the pair; None: start the pair
     if me is None:
         sys.exit(synchronizer.launch())

@@ -62,7 +62,7 @@ def seconds_per_step(folder: str) -> dict:
     steps = [r for r in rows(folder) if "time/step" in r and 1 < r["step"] < TIMING_STEPS]
     mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
     return {"step": mean("time/step"), "waiting": mean("time/waiting"), "generation": mean("time/generation"),
-            "explorer_sampling": mean("explorer/time_sampling"), "steps": len(steps)}
+            "explorer_sampling": mean("time/explorer_sampling"), "steps": len(steps)}
 
 
 def report(seeds: list[int]):
