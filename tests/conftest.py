@@ -119,8 +119,9 @@ class _ScriptServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return line.decode()
 
-    def start(self, argv: list[str], out_dir: str) -> ScriptProcess:
-        request = {"argv": argv, "cwd": ROOT, "env": dict(os.environ), "stdout": os.path.join(out_dir, "stdout"),
+    def start(self, argv: list[str], out_dir: str, env: dict | None = None) -> ScriptProcess:
+        request = {"argv": argv, "cwd": ROOT, "env": {**os.environ, **(env or {})},
+                   "stdout": os.path.join(out_dir, "stdout"),
                    "stderr": os.path.join(out_dir, "stderr")}
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
@@ -157,21 +158,22 @@ def _environment() -> dict:
     return {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
 
-def start(script, *args) -> ScriptProcess:
+def start(script, *args, env: dict | None = None) -> ScriptProcess:
     """`python script args` in the repository's root, as a process of its own. Speed: forked from a process that
     has imported torch and transformers already (tests/helpers/script_server.py) rather than a new interpreter,
     which spends ~6 s importing them; the script, common.py and lib/ are imported afresh in it. A call whose
     environment differs from the one the script server started with (this process's first start()) gets a new
-    interpreter: the libraries read some variables when imported."""
+    interpreter: the libraries read some variables when imported. env: variables for this process only, which no
+    library reads when imported (torchrun's RANK, MASTER_PORT, ...: async_rl.py's pair)."""
     out_dir = tempfile.mkdtemp(prefix="script_")
     for name in ("stdout", "stderr"):
         open(os.path.join(out_dir, name), "w").close()
     if _environment() != _server().env:
         with open(os.path.join(out_dir, "stdout"), "w") as out, open(os.path.join(out_dir, "stderr"), "w") as err:
             popen = subprocess.Popen([sys.executable, script, *args], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=err)
+                                     stderr=err, env={**os.environ, **(env or {})})
         return ScriptProcess(out_dir, popen.pid, popen)
-    return _server().start([script, *args], out_dir)
+    return _server().start([script, *args], out_dir, env)
 
 
 def run(script, *args, check=True):

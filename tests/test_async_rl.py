@@ -1,16 +1,19 @@
 """async_rl.py: the explorer and the trainer as two processes (lib/synchronizer.py)."""
 import os
 import random
+import socket
 import time
 
-import psutil
 import pytest
 import torch
-from conftest import assert_same_run, read_metrics, run_main, start, z_trend
+from conftest import assert_same_run, read_metrics, run_main, start, z_accuracy, z_gain
 from safetensors.torch import load_file
 from test_rlhf_scripts import _fixed_problems
 
+import async_rl
+import common
 from lib import synchronizer
+from lib.checks import check_settings
 from lib.synchronizer import published_versions, staleness, version_for_batch
 
 
@@ -50,6 +53,7 @@ def _short(checkpoint, data, steps):
 
 
 def _pair_run(*args, check=True):
+    """`python async_rl.py args`: the launcher starts the trainer and the explorer as new interpreters."""
     process = start("async_rl.py", *args)
     process.wait()
     if check:
@@ -57,68 +61,103 @@ def _pair_run(*args, check=True):
     return process
 
 
+def _pair_start(*args) -> list:
+    """The trainer and the explorer started as torchrun starts them (RANK, MASTER_PORT, ...). Speed: forked from
+    the test's script server, without the launcher's two new interpreters; the launcher is _pair_run's."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [start("async_rl.py", *args, env={"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for rank in (0, 1)]
+
+
+def _pair_wait(processes, check=True) -> list:
+    for process in processes:
+        process.wait()
+        if check:
+            assert process.returncode == 0, process.stderr[-3000:]
+    return processes
+
+
 @pytest.mark.slow
-def test_at_staleness_0_the_pair_is_grpo_bit_for_bit(sft_checkpoint, tmp_path, monkeypatch):
+def test_at_staleness_0_the_pair_is_grpo_bit_for_bit(sft_checkpoint, tmp_path):
     """--sync_offset 0: the explorer waits for every version, draws the same prompts and samples with the same
     random streams as grpo.py's one process, and the trainer takes grpo.py's step: the same weights, bit for bit,
-    and every metric grpo.py logs the same (timings aside). One thread in every process (the sums' order)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    and every metric grpo.py logs the same (timings aside). grpo.py runs in this process, the pair is forked from
+    the script server: both with the test's threads (the sums' order)."""
     args = _short(sft_checkpoint, _fixed_problems(tmp_path, 16), 4)
     run_main("grpo.py", *args, "--output_dir", str(tmp_path / "grpo"))
-    _pair_run(*args, "--sync_offset", "0", "--vllm_importance_sampling_correction", "false",
-              "--output_dir", str(tmp_path / "pair"))
+    _pair_wait(_pair_start(*args, "--sync_offset", "0", "--vllm_importance_sampling_correction", "false",
+                           "--output_dir", str(tmp_path / "pair")))
     grpo, pair = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("grpo", "pair"))
     assert grpo.keys() == pair.keys() and all(torch.equal(grpo[k], pair[k]) for k in grpo)
     for a, b in zip(read_metrics(str(tmp_path / "grpo")), read_metrics(str(tmp_path / "pair")), strict=True):
         assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
                {k: v for k, v in b.items() if k in a and not k.startswith("time/")}
         assert b.get("off_policy/mean", 0) == 0
-    torch.set_num_threads(threads)
 
 
-def _kill_one(process, victim: int, after_checkpoint_of: str):
-    """SIGKILL the trainer (0) or the explorer (1) of a launched pair at a random moment after its first
-    checkpoint; the launcher must then stop with the other's sentence, not hang."""
+def _kill_one(processes, victim: int, after_checkpoint_of: str):
+    """SIGKILL the trainer (0) or the explorer (1) at a random moment after the run's first checkpoint: the other
+    must stop on its next message, with one sentence, not hang."""
     while not any(os.path.isdir(os.path.join(after_checkpoint_of, name)) for name in ("checkpoint", "checkpoint.new")):
-        assert process.poll() is None, process.stderr[-3000:]
+        assert all(p.poll() is None for p in processes), processes[0].stderr[-3000:]
         time.sleep(0.01)
     time.sleep(random.Random(victim).uniform(0, 1.5))
-    children = sorted(psutil.Process(process.pid).children(), key=lambda c: c.create_time())
-    assert len(children) == 2, "the launcher runs the trainer and the explorer"
-    children[victim].kill()
-    killed = time.time()
-    assert process.wait(timeout=60) == 1
-    assert time.time() - killed < 30  # the peer stopped on its next message (or the launcher stopped it)
-    other = ("the trainer", "the explorer")[victim]
-    assert f"stopped, so {('the explorer', 'the trainer')[victim]} stops too" in process.stderr or \
-        f"stopped before the two processes met, so {('the explorer', 'the trainer')[victim]}" in process.stderr, \
-        (other, process.stderr[-2000:])
+    processes[victim].kill()
+    other = processes[1 - victim]
+    assert other.wait(timeout=60) == 1, other.stderr[-2000:]
+    names = ("the trainer", "the explorer")
+    assert f"error: {names[victim]} stopped, so {names[1 - victim]} stops too" in other.stderr, other.stderr[-2000:]
+    assert "Traceback" not in other.stderr
 
 
 @pytest.mark.slow
-def test_the_pair_learns_and_a_kill_of_either_process_resumes_to_the_unbroken_run(sft_checkpoint, tmp_path):
-    """MIX's loss on the pair, one update stale (the default sync_offset 1), with the correction: the reward rises
-    over the run, every batch after the first is one update old, the importance weights are logged. Killed
+def test_mix_on_the_pair_and_a_kill_of_either_process_resumes_to_the_unbroken_run(sft_checkpoint, tmp_path):
+    """MIX's loss on the pair, one update stale (the default sync_offset 1), with the correction: every batch after
+    the first is one update old, the importance weights and MIX's terms are logged. Killed
     (SIGKILL) first in the explorer, then in the trainer, each time --resumed: the same metrics and weights as the
     unbroken run (the checkpoint holds the explorer's random streams and the versions it had still to load)."""
     args = [*_short(sft_checkpoint, _fixed_problems(tmp_path, 8), 12), "--algorithm", "mix"]
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
-    _pair_run(*args, "--output_dir", unbroken)
+    _pair_wait(_pair_start(*args, "--output_dir", unbroken))
     rows = [row for row in read_metrics(unbroken) if "reward" in row]
     assert [row["off_policy/mean"] for row in rows] == [0] + [1] * 11
-    assert z_trend([row["reward"] for row in rows]) > 2, [row["reward"] for row in rows]
     assert all("sampling/importance_sampling_ratio/mean" in row and "expert/sft_loss" in row for row in rows)
 
-    _kill_one(start("async_rl.py", *args, "--output_dir", broken), 1, broken)
-    _kill_one(start("async_rl.py", *args, "--output_dir", broken, "--resume", "true"), 0, broken)
-    assert "resumed from" in _pair_run(*args, "--output_dir", broken, "--resume", "true").stdout
+    _kill_one(_pair_start(*args, "--output_dir", broken), 1, broken)
+    _kill_one(_pair_start(*args, "--output_dir", broken, "--resume", "true"), 0, broken)
+    trainer, _ = _pair_wait(_pair_start(*args, "--output_dir", broken, "--resume", "true"))
+    assert "resumed from" in trainer.stdout
     assert_same_run(unbroken, broken)
 
 
+@pytest.mark.slow
+def test_the_pair_one_update_stale_raises_reward(sft_checkpoint, tmp_path):
+    """grpo.py's learning test (tests/test_scripts.py) on the pair at its defaults (one update stale, the
+    correction on): 40 steps on 8 fixed problems, the reward and the sampled accuracy on them rise."""
+    data = _fixed_problems(tmp_path, 8)
+    with open(os.path.join(data, "test.jsonl")) as f:
+        problems = f.read()
+    with open(os.path.join(data, "test.jsonl"), "w") as f:
+        f.write(problems * 16)  # 512 held-out samples: the accuracy is not noise
+    out = str(tmp_path / "pair")
+    _pair_run("--model", sft_checkpoint, "--dataset", data, "--output_dir", out, "--max_steps", "40",
+              "--per_device_train_batch_size", "64", "--learning_rate", "1e-4", "--warmup_steps", "2",
+              "--eval_steps", "100")
+    metrics = read_metrics(out)
+    rows = [row for row in metrics if "reward" in row]
+    first, last = [r["reward"] for r in rows[:10]], [r["reward"] for r in rows[-10:]]
+    assert z_gain(first, last) > 2, (first, last)
+    evals = [row["eval/accuracy_sampled"] for row in metrics if "eval/accuracy_sampled" in row]
+    assert z_accuracy(evals[0], evals[-1], n=512) > 2, evals
+    assert [row["off_policy/mean"] for row in rows] == [0] + [1] * 39
+    assert os.path.isfile(os.path.join(out, "asynchronous_grpo.png"))
+
+
 def test_bad_settings_are_one_sentence_before_any_process_starts():
-    result = _pair_run("--mu", "0.5", check=False)
-    assert result.returncode == 1 and "error: --mu belongs to --algorithm mix" in result.stderr
-    result = _pair_run("--fsdp", "true", check=False)
-    assert result.returncode == 1 and "trainer is one process" in result.stderr
+    for args, sentence in ((["--mu", "0.5"], "error: --mu belongs to --algorithm mix"),
+                           (["--fsdp", "true"], "async_rl.py's trainer is one process")):
+        with pytest.raises(SystemExit, match=sentence):  # what async_rl.py's __main__ runs before launch()
+            check_settings(common.parse_config(async_rl.Config, args))
