@@ -62,7 +62,7 @@ def seconds_per_step(folder: str) -> dict:
     steps = [r for r in rows(folder) if "time/step" in r and 1 < r["step"] < TIMING_STEPS]
     mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
     return {"step": mean("time/step"), "waiting": mean("time/waiting"), "generation": mean("time/generation"),
-            "explorer_sampling": mean("time/explorer_sampling"), "steps": len(steps)}
+            "explorer_sampling": mean("time/explorer_sampling"), "steps": [r["time/step"] for r in steps]}
 
 
 def report(seeds: list[int]):
@@ -88,6 +88,37 @@ def report(seeds: list[int]):
         json.dump(results, f, indent=1)
     figure(results)
     return results
+
+
+def table(results: dict) -> str:
+    """docs/async.md's table: per arm, the staleness, the two policies' gap, and the held-out sampled accuracy at
+    step 40 per seed and its mean; then the timing."""
+    seeds = [str(seed) for seed in results["seeds"]]
+    lines = ["| arm | staleness | mean abs log pi_old - log mu | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | mean |", "|---|---|---|" + "---|" * (len(seeds) + 1)]
+    for arm, runs in results["arms"].items():
+        if sorted(runs) != sorted(seeds):
+            continue
+        values = [runs[s]["sampled"] for s in seeds]
+        gap = sum(runs[s]["logp_gap"] for s in seeds) / len(seeds)
+        lines.append(f"| {arm} | {runs[seeds[0]]['staleness']} | {gap:.4f} | "
+                     + " | ".join(f"{v:.1f}" for v in values) + f" | {sum(values) / len(values):.1f} |")
+    timing = results["timing"]
+    if timing.get("grpo") and timing.get("async_rl"):
+        grpo = [timing["grpo"][s]["step"] for s in seeds]
+        pair = [timing["async_rl"][s]["step"] for s in seeds]
+        lines += ["", "| seconds per step | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+                  "|---|" + "---|" * (len(seeds) + 1),
+                  "| grpo.py | " + " | ".join(f"{v:.2f}" for v in grpo) + f" | {sum(grpo) / len(grpo):.2f} |",
+                  "| async_rl.py | " + " | ".join(f"{v:.2f}" for v in pair) + f" | {sum(pair) / len(pair):.2f} |"]
+    return "\n".join(lines)
+
+
+def speed_ratio(results: dict) -> float:
+    """grpo.py's mean seconds per step over the pair's: how many of the pair's steps fit in one of grpo.py's."""
+    seeds = [str(seed) for seed in results["seeds"]]
+    grpo = sum(results["timing"]["grpo"][s]["step"] for s in seeds)
+    return grpo / sum(results["timing"]["async_rl"][s]["step"] for s in seeds)
 
 
 def figure(results: dict):
@@ -145,7 +176,7 @@ def main():
         for seed in args.seeds:
             for arm in args.arms:
                 arm_run(arm, seed)
-    print(json.dumps(report(args.seeds)["timing"], indent=1))
+    print(table(report(args.seeds)))
 
 
 if __name__ == "__main__":

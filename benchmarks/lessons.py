@@ -43,6 +43,8 @@ def read(name: str):
 SYLLABUS, ENTROPY, BEST_OF_N = read("syllabus.json"), read("entropy.json"), read("best_of_n.json")
 AGENT = read("agent_runs.json")
 DISTILL, MAJORITY, REMEDIES = read("distill_runs.json"), read("majority_vote.json"), read("entropy_remedies.json")
+ASYNC = read("async_runs.json")
+ASYNC_REGISTERED = "2026-11-29, c60fce4: benchmarks/async_claims.md"  # written before async_runs.py ran
 SAMPLER = read("sampler_gap.json")
 SEEDS = SYLLABUS["seeds"]
 
@@ -318,6 +320,22 @@ def entropy_noise(arm: str) -> float:
     by_seed = {r["seed"]: r["entropy"] for r in REMEDIES["results"]["base"]}
     runs = REMEDIES["results"][arm]
     return step_noise([r["entropy"] for r in runs], [by_seed[r["seed"]] for r in runs])
+
+
+def async_final(arm: str) -> dict:
+    """{seed: held-out sampled accuracy at step 40, in points} of an arm of async_runs.json."""
+    return {int(seed): run["sampled"] for seed, run in ASYNC["arms"][arm].items()}
+
+
+def async_seconds(script: str) -> dict:
+    """{seed: mean seconds per step} of async_runs.json's timing runs (grpo or async_rl)."""
+    return {int(seed): run["step"] for seed, run in ASYNC["timing"][script].items()}
+
+
+def async_seconds_noise() -> float:
+    """step_noise of the timing runs' seconds per step: the pair's against grpo.py's, seed by seed."""
+    pair, grpo = ASYNC["timing"]["async_rl"], ASYNC["timing"]["grpo"]
+    return step_noise([pair[sd]["steps"] for sd in sorted(pair)], [grpo[sd]["steps"] for sd in sorted(pair)], 1.0)
 
 
 def agent_final(arm: str, key: str = "accuracy_sampled") -> dict:
@@ -654,6 +672,32 @@ def lessons() -> list[dict]:
              differs="--vllm_importance_sampling_correction true (token_truncate, C = 3)",
              unit="points, final sampled accuracy (step 40)",
              **paired(sampler_final("bf16_tis"), sampler_final("bf16"), "same")),
+        dict(id="L71", lesson="The explorer and the trainer apart (one update stale) take fewer seconds per step than "
+                              "grpo.py on the 2-core CPU", where="docs/async.md; README.md",
+             arms="async_runs.json timing: grpo.py -> async_rl.py",
+             differs="two processes of one thread each, sampling and training at once, instead of one process of "
+                     "two threads taking turns (and the trainer's batch received, its weights sent)",
+             unit="seconds per step (steps 2-19 of 20)",
+             **paired(async_seconds("async_rl"), async_seconds("grpo"), "down", async_seconds_noise(),
+                      "measured, the runs' step-to-step scatter (seconds)", ASYNC_REGISTERED)),
+        *[dict(id=f"L{72 + i}", lesson=lesson, where="docs/async.md", arms=f"async_runs.json: {a} -> {b}",
+               differs=differs, unit="points, final sampled accuracy (step 40)",
+               **paired(async_final(b), async_final(a), claim, registered=ASYNC_REGISTERED if registered else ""))
+          for i, (lesson, a, b, differs, claim, registered) in enumerate((
+              ("One update of staleness, corrected, leaves the final accuracy unchanged", "sync", "stale1",
+               "--sync_offset 1 instead of 0 (and the correction on)", "same", True),
+              ("Four updates of staleness, uncorrected, lower the final accuracy", "sync", "stale4_plain",
+               "--sync_offset 4 instead of 0, no correction", "down", True),
+              ("At four updates of staleness the correction raises the final accuracy", "stale4_plain", "stale4",
+               "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "up", True),
+              ("Two updates of staleness, corrected, leave the final accuracy unchanged", "sync", "stale2",
+               "--sync_offset 2 instead of 0 (and the correction on)", "same", False),
+              ("Four updates of staleness, corrected, leave the final accuracy unchanged", "sync", "stale4",
+               "--sync_offset 4 instead of 0 (and the correction on)", "same", False),
+              ("At one update of staleness the correction leaves the final accuracy unchanged", "stale1_plain",
+               "stale1", "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "same", False),
+              ("At two updates of staleness the correction leaves the final accuracy unchanged", "stale2_plain",
+               "stale2", "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "same", False)))],
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",
