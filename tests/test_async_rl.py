@@ -86,7 +86,7 @@ def test_at_staleness_0_the_pair_is_grpo_bit_for_bit(sft_checkpoint, tmp_path):
     random streams as grpo.py's one process, and the trainer takes grpo.py's step: the same weights, bit for bit,
     and every metric grpo.py logs the same (timings aside). grpo.py runs in this process, the pair is forked from
     the script server: both with the test's threads (the sums' order)."""
-    args = _short(sft_checkpoint, _fixed_problems(tmp_path, 16), 4)
+    args = _short(sft_checkpoint, _fixed_problems(tmp_path, 16), 3)
     run_main("grpo.py", *args, "--output_dir", str(tmp_path / "grpo"))
     _pair_wait(_pair_start(*args, "--sync_offset", "0", "--vllm_importance_sampling_correction", "false",
                            "--output_dir", str(tmp_path / "pair")))
@@ -119,11 +119,11 @@ def test_mix_on_the_pair_and_a_kill_of_either_process_resumes_to_the_unbroken_ru
     the first is one update old, the importance weights and MIX's terms are logged. Killed
     (SIGKILL) first in the explorer, then in the trainer, each time --resumed: the same metrics and weights as the
     unbroken run (the checkpoint holds the explorer's random streams and the versions it had still to load)."""
-    args = [*_short(sft_checkpoint, _fixed_problems(tmp_path, 8), 12), "--algorithm", "mix"]
+    args = [*_short(sft_checkpoint, _fixed_problems(tmp_path, 8), 8), "--algorithm", "mix"]
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
     _pair_wait(_pair_start(*args, "--output_dir", unbroken))
     rows = [row for row in read_metrics(unbroken) if "reward" in row]
-    assert [row["off_policy/mean"] for row in rows] == [0] + [1] * 11
+    assert [row["off_policy/mean"] for row in rows] == [0] + [1] * 7
     assert all("sampling/importance_sampling_ratio/mean" in row and "expert/sft_loss" in row for row in rows)
 
     _kill_one(_pair_start(*args, "--output_dir", broken), 1, broken)

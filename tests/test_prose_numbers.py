@@ -766,3 +766,16 @@ def test_sampler_gap_table_is_the_committed_runs():
     assert sampler_gap.table(saved) in page
     for sentence in sampler_gap.prose(saved):
         assert sentence in " ".join(page.split()), sentence
+
+
+def test_async_page_and_readme_quote_the_committed_runs():
+    """docs/async.md's table and sentences, and the README's ratio of steps per minute, are what
+    benchmarks/async_runs.py prints from the committed docs/async_runs.json (3 seeds, 7 arms, the timing runs)."""
+    async_runs = load_benchmark("async_runs")
+    saved, page = json.loads(read("docs", "async_runs.json")), read("docs", "async.md")
+    assert saved["seeds"] == [2, 3, 4] and list(saved["arms"]) == list(async_runs.ARMS)
+    assert all(sorted(runs) == ["2", "3", "4"] for runs in saved["arms"].values())
+    assert async_runs.table(saved) in page
+    for sentence in async_runs.prose(saved):
+        assert sentence in " ".join(page.split()), sentence
+    assert async_runs.readme_sentence(saved) in " ".join(read("README.md").split())
