@@ -8,4 +8,6 @@ call leads there.
     distributed.py   several processes under torchrun: DDP, FSDP, the sums and means over processes
     checks.py        bad input stopped in one sentence: before anything is written, or at the step
                      where a non-finite score appears
+    synchronizer.py  async_rl.py's two processes, the explorer and the trainer: which weights sample
+                     each batch, and the batches, weights and scores sent between them
 """
