@@ -57,7 +57,8 @@ def parse_config(config_class, args=None):
     docs = field_help(config_class)
     script_doc = sys.modules["__main__"].__doc__
     parser = argparse.ArgumentParser(description=script_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    base = next((c for c in config_class.__mro__[1:] if dataclasses.is_dataclass(c)), None)
+    base = next((c for c in config_class.__mro__[1:] if dataclasses.is_dataclass(c) and c.__module__ == "lib.harness"),
+                None)  # the run's; those of an algorithm the script extends (grpo.Config, mix.Config) come first
     run_fields = {f.name for f in dataclasses.fields(base)} if base else set()
     for field in dataclasses.fields(config_class):  # harness.run_setting: a run's setting in another Config
         if "run_setting" in field.metadata:

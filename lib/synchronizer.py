@@ -91,7 +91,7 @@ class Pair:
             yield
         except RuntimeError:  # gloo: "Connection closed by peer", "Connection reset by peer", a timeout
             raise PeerStopped(f"error: {self.peer_name} stopped, so {NAMES[self.rank]} stops too (its message above "
-                              "says why; the last checkpoint is kept: --resume continues from it)") from None
+                              "says why; --resume continues from the last checkpoint, if one was written)") from None
 
     def send_object(self, obj, tag: int):
         """Send any picklable object (a batch, scores): its size, then its bytes."""
