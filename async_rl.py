@@ -14,15 +14,17 @@ trainer, prime-rl):
               behind (Trinity-RFT's names): batch i is sampled by version v(i) and is
               staleness(i) = i - 1 - v(i) updates old when the trainer uses it (synchronizer.version_for_batch)
 
-With --sync_offset 0 (and --sync_interval 1) the explorer waits for every version: grpo.py's loop,
-the same numbers at the same seed. With --sync_offset 1, the default, it samples batch i + 1 while
-the trainer trains on batch i: the two overlap, and each batch is one update stale. A stale batch
-was drawn from an older policy; --vllm_importance_sampling_correction (on here) weighs each token by
-pi_old / pi_sampler, truncated (decoupled PPO: the clip is taken around the trainer's pi_old, the
-proximal policy; the sampler's log-probs are the behaviour policy's). docs/async.md.
+With --sync_offset 0 (and --sync_interval 1) the explorer waits for every version: grpo.py's loop;
+with the correction off as well, grpo.py's numbers at the same seed, bit for bit. With --sync_offset 1,
+the default, it samples batch i + 1 while the trainer trains on batch i: the two overlap, and every
+batch after the first is one update stale. A stale batch was drawn from an older policy;
+--vllm_importance_sampling_correction (on here) weighs each token by pi_old / pi_sampler, truncated
+(decoupled PPO's split: the ratio is clipped around the trainer's pi_old, the proximal policy; the
+sampler's log-probs are the behaviour policy's). At one update per batch pi_old is the policy itself,
+the ratio is 1 and no clip acts: the step is the policy gradient with that weight. docs/async.md.
 
     python sft.py && python async_rl.py              # starts the trainer and the explorer, out/async_rl
-    python async_rl.py --sync_offset 0               # synchronous: the same run as python grpo.py
+    python async_rl.py --sync_offset 0 --vllm_importance_sampling_correction false   # grpo.py's run
     python async_rl.py --algorithm mix               # MIX's loss (note 001), expert rows from data/expert.jsonl
     torchrun --nproc_per_node 2 async_rl.py          # the same two processes, started by torchrun
     torchrun --nnodes 2 --nproc_per_node 1 ... async_rl.py   # the trainer on one machine, the explorer on another
@@ -36,9 +38,11 @@ One trainer step (the numbered comments of trainer()):
 
 Left out, and why: more than one explorer or trainer process (the trainer's data parallelism is
 grpo.py's; here the pair is the lesson), dropping stale batches (a batch's staleness is fixed by the
-schedule, so none is sampled that would be dropped: the explorer waits instead, as Trinity's and
-verl's do), partial rollouts cut at a weights change (OpenRLHF, prime-rl), and nccl between GPUs (the
-weights go through the host over gloo: at the 0.5B layout 2 GB a sync).
+schedule, so none is sampled that would be dropped: the explorer waits instead, as Trinity's explorer
+waits at its sync points and verl's rollouter pauses), partial rollouts cut at a weights change (verl,
+AReaL), and nccl between GPUs (the weights go through the host over gloo: at the 0.5B layout 2 GB a
+sync). With --algorithm mix, --sync_offset 0 is not mix.py's run: the prompts come from the explorer's
+random stream and the expert rows from the trainer's, where mix.py draws both from one.
 """
 import copy
 import dataclasses
@@ -70,12 +74,14 @@ class Config(mix.Config):
     """the explorer loads new weights every this many batches (Trinity-RFT's name)"""
     sync_offset: int = setting(1, lambda v: v >= 0, "0 or more")
     """how many batches the explorer runs ahead of the trainer's weights (Trinity-RFT's name): 0 with
-    --sync_interval 1 is the synchronous loop (grpo.py's); each batch is then sync_offset updates stale"""
+    --sync_interval 1 is the synchronous loop (grpo.py's); after the first sync_offset batches a batch is
+    sync_offset to sync_offset + sync_interval - 1 updates stale (synchronizer.version_for_batch)"""
     max_staleness: int | None = setting(None, lambda v: v is None or v >= 0, "0 or more (leave it out for no bound)")
     """no batch is sampled by weights more than this many updates older than the trainer's: the explorer waits for
-    newer ones (TRL's name; TRL drops a sample that is older, verl and Trinity wait, as here)"""
+    newer ones (TRL's name; TRL's AsyncGRPO and Trinity's staleness_control sampler skip an older sample instead)"""
     pair_timeout_minutes: float = setting(30.0, lambda v: v > 0, "positive")
-    """how long one process waits for the other's message before it stops (a peer that dies is noticed at once)"""
+    """how long one process waits for the other's message before it stops (a peer that died is noticed at once; one
+    that is alive but stuck, only after this)"""
     vllm_importance_sampling_correction: bool = True
     """on here: the sampler is an older version of the policy (decoupled PPO's behaviour policy)"""
     output_dir: str = "out/async_rl"

@@ -121,6 +121,24 @@ def speed_ratio(results: dict) -> float:
     return grpo / sum(results["timing"]["async_rl"][s]["step"] for s in seeds)
 
 
+def prose(results: dict) -> list[str]:
+    """docs/async.md's sentences with numbers, as they must read from results (a test keeps them so)."""
+    seeds = [str(seed) for seed in results["seeds"]]
+    timing = results["timing"]
+    mean = lambda script, key: sum(timing[script][s][key] for s in seeds) / len(seeds)  # noqa: E731
+    sample, step = mean("grpo", "generation"), mean("grpo", "step")
+    pair, wait = mean("async_rl", "step"), mean("async_rl", "waiting")
+    return [f"grpo.py took {step:.2f} s a step, {sample:.2f} s of it sampling and {step - sample:.2f} s training",
+            f"the pair took {pair:.2f} s a step, of which the trainer waited {wait:.2f} s for the explorer",
+            f"{speed_ratio(results):.2f} times grpo.py's steps per minute"]
+
+
+def readme_sentence(results: dict) -> str:
+    """The README's file table quotes the ratio of steps per minute."""
+    return (f"one update stale, it runs {speed_ratio(results):.2f} times grpo.py's steps per minute on the 2-core CPU "
+            f"({len(results['seeds'])} seeds, [L71](docs/lessons.md#l71))")
+
+
 def figure(results: dict):
     """docs/async.png: left, the timeline of four steps (who waits for whom), drawn from the measured mean
     seconds; right, each arm's held-out sampled accuracy at step 40, per seed."""

@@ -1,12 +1,13 @@
 """The explorer and the trainer of async_rl.py as two processes, and what passes between them
-(note 001's Trinity-RFT layout; docs/async.md). Nothing here computes a number of the algorithm.
+(note 001's Trinity-RFT layout; docs/async.md). No loss or gradient is computed here; the schedule
+decides which weights sample each batch.
 
     schedule       which weights version samples each batch (sync_interval, sync_offset, max_staleness),
                    and which versions the trainer publishes
     Pair           the two processes' torch.distributed group (gloo, rank 0 the trainer, rank 1 the
                    explorer): objects (a batch of experiences, held-out scores) and weights sent between
-                   them; a send never waits for the other side, a receive does. A peer that stopped
-                   stops this one with one sentence (PeerStopped), never a hang.
+                   them; a send never waits for the other side, a receive does. A peer that died
+                   stops this one with one sentence (PeerStopped), not a hang.
     launch         `python async_rl.py` starts the two processes itself; under torchrun (2 processes, on
                    one machine or two) torchrun has started them.
 
@@ -89,7 +90,10 @@ class Pair:
         """Turn a failed receive or send (the peer's connection closed) into PeerStopped."""
         try:
             yield
-        except RuntimeError:  # gloo: "Connection closed by peer", "Connection reset by peer", a timeout
+        except RuntimeError as error:  # gloo: "Connection closed by peer", "Connection reset by peer", a timeout
+            if "imeout" in str(error) or "imed out" in str(error):
+                raise PeerStopped(f"error: {NAMES[self.rank]} waited --pair_timeout_minutes for {self.peer_name} and "
+                                  "stops (is it stuck, or was it never started?)") from None
             raise PeerStopped(f"error: {self.peer_name} stopped, so {NAMES[self.rank]} stops too (its message above "
                               "says why; --resume continues from the last checkpoint, if one was written)") from None
 
@@ -165,9 +169,9 @@ def role() -> tuple[int, str, int] | None:
 def launch() -> int:
     """Start this script twice, as the trainer (rank 0) and the explorer (rank 1), with torchrun's
     variables, each with half the CPU's threads unless OMP_NUM_THREADS says otherwise, and wait for both.
-    When one stops with an error, the other stops on its next message (Pair.watch); one that is not
-    yet connected (a peer that died before the two met) is stopped here after a few seconds, as
-    torchrun stops the rest of a group whose process failed. Returns the first non-zero exit status."""
+    When one stops with an error, the other stops on its next message (Pair.watch); one still running
+    STOP_GRACE_SECONDS later (waiting to meet a peer that died first, or in a long step) is stopped here,
+    as torchrun stops the rest of a group whose process failed. Returns the first non-zero exit status."""
     with socket.socket() as s:  # a free port for the pair's store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -186,8 +190,8 @@ def launch() -> int:
                 for rank, p in enumerate(processes):
                     if p.poll() is None:
                         p.terminate()
-                        print(f"error: {NAMES[1 - rank]} stopped before the two processes met, so {NAMES[rank]} was "
-                              "stopped", file=sys.stderr)
+                        print(f"error: {NAMES[1 - rank]} stopped, and {NAMES[rank]} had not stopped "
+                              f"{STOP_GRACE_SECONDS} s later, so it was stopped", file=sys.stderr)
             time.sleep(0.1)
     except KeyboardInterrupt:  # Ctrl-C reached the children too: let them stop
         pass

@@ -125,6 +125,9 @@ def test_mix_on_the_pair_and_a_kill_of_either_process_resumes_to_the_unbroken_ru
     rows = [row for row in read_metrics(unbroken) if "reward" in row]
     assert [row["off_policy/mean"] for row in rows] == [0] + [1] * 7
     assert all("sampling/importance_sampling_ratio/mean" in row and "expert/sft_loss" in row for row in rows)
+    # a stale batch's weights pi_old / pi_sampler are not 1: the correction acts (at staleness 0, step 1, only rounding)
+    assert all(row["sampling/importance_sampling_ratio/max"] - row["sampling/importance_sampling_ratio/min"] > 1e-3
+               for row in rows[1:])
 
     _kill_one(_pair_start(*args, "--output_dir", broken), 1, broken)
     _kill_one(_pair_start(*args, "--output_dir", broken, "--resume", "true"), 0, broken)

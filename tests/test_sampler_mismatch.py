@@ -155,6 +155,7 @@ def grpo_step_loss(logprobs, old_logprobs, ref_logprobs, A, mask, cfg, sampler_l
     ("grpo", "main", ["micro_old", "batch.sampler_logprobs[rows]", "loss_mask[rows]"]),
     ("grpo", "step_log", ["old", "batch.sampler_logprobs", "batch.completion_mask"]),
     ("mix", "main", ["micro_old", "sampler_logprobs[rows]", "completion_mask[rows]"]),
+    ("async_rl", "trainer", ["micro_old", "sampler_logprobs[rows]", "completion_mask[rows]"]),
     ("agent", "main", ["micro_old", "episodes.sampler_logprobs[rows]", "policy_mask[rows]"]),
     ("agent", "step_log", ["old", "episodes.sampler_logprobs", "policy_mask"]),
     ("ppo", "make_experience", ["old_logprobs", "sampler_logprobs", "mask"]),
