@@ -40,11 +40,17 @@ def arm_run(arm: str, seed: int) -> str:
                                                   str(STEPS), "--eval_steps", "20", *ARMS[arm]])
 
 
-def timing_run(script: str, seed: int) -> str:
-    """One timing run: grpo.py or the pair (sync_offset 1), TIMING_STEPS steps, one evaluation at the end."""
+TIMED = {"grpo": ("grpo.py", None), "async_rl": ("async_rl.py", None), "grpo_1thread": ("grpo.py", "1")}
+
+
+def timing_run(name: str, seed: int) -> str:
+    """One timing run (TIMED: grpo.py with its default threads, the pair at sync_offset 1 with one thread each,
+    grpo.py on one thread), TIMING_STEPS steps, one evaluation at the end."""
+    script, threads = TIMED[name]
     sft = start(seed)
-    folder = f"{OUT}/timing/{script.removesuffix('.py')}/{seed}"
+    folder = f"{OUT}/timing/{name}/{seed}"
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each script's own default threads
+    env.update({"OMP_NUM_THREADS": threads} if threads else {})
     subprocess.run([sys.executable, script, "--model", sft, "--seed", str(seed), "--max_steps", str(TIMING_STEPS),
                     "--eval_steps", str(TIMING_STEPS), "--eval_on_start", "false", "--num_eval_examples", "50",
                     "--output_dir", folder, "--overwrite_output_dir", "true"], cwd=ROOT, check=True, env=env)
@@ -80,7 +86,7 @@ def report(seeds: list[int]):
                 "staleness": max(r.get("off_policy/mean", 0) for r in rows(folder)),
                 "logp_gap": sum(r["sampling/sampling_logp_difference/mean"] for r in rows(folder)
                                 if "sampling/sampling_logp_difference/mean" in r) / STEPS}
-    for script in ("grpo", "async_rl"):
+    for script in TIMED:
         results["timing"][script] = {str(seed): seconds_per_step(f"{OUT}/timing/{script}/{seed}") for seed in seeds
                                      if os.path.isfile(os.path.join(ROOT, OUT, "timing", script, str(seed),
                                                                     "eval.json"))}
@@ -104,39 +110,45 @@ def table(results: dict) -> str:
         lines.append(f"| {arm} | {runs[seeds[0]]['staleness']} | {gap:.4f} | "
                      + " | ".join(f"{v:.1f}" for v in values) + f" | {sum(values) / len(values):.1f} |")
     timing = results["timing"]
-    if timing.get("grpo") and timing.get("async_rl"):
-        grpo = [timing["grpo"][s]["step"] for s in seeds]
-        pair = [timing["async_rl"][s]["step"] for s in seeds]
-        lines += ["", "| seconds per step | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-                  "|---|" + "---|" * (len(seeds) + 1),
-                  "| grpo.py | " + " | ".join(f"{v:.2f}" for v in grpo) + f" | {sum(grpo) / len(grpo):.2f} |",
-                  "| async_rl.py | " + " | ".join(f"{v:.2f}" for v in pair) + f" | {sum(pair) / len(pair):.2f} |"]
+    lines += ["", "| seconds per step (steps 2-19 of 20) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+              "|---|" + "---|" * (len(seeds) + 1)]
+    for name, label in (("grpo", "grpo.py, two threads (its default)"), ("grpo_1thread", "grpo.py, one thread"),
+                        ("async_rl", "async_rl.py, one thread each")):
+        values = [timing[name][s]["step"] for s in seeds]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {sum(values) / len(values):.2f} |")
     return "\n".join(lines)
 
 
-def speed_ratio(results: dict) -> float:
-    """grpo.py's mean seconds per step over the pair's: how many of the pair's steps fit in one of grpo.py's."""
+def speed_ratio(results: dict, against: str = "grpo") -> float:
+    """grpo.py's mean seconds per step (`against`: two threads, or grpo_1thread) over the pair's: the pair's steps
+    per minute in units of grpo.py's."""
     seeds = [str(seed) for seed in results["seeds"]]
-    grpo = sum(results["timing"]["grpo"][s]["step"] for s in seeds)
+    grpo = sum(results["timing"][against][s]["step"] for s in seeds)
     return grpo / sum(results["timing"]["async_rl"][s]["step"] for s in seeds)
 
 
 def prose(results: dict) -> list[str]:
     """docs/async.md's sentences with numbers, as they must read from results (a test keeps them so)."""
     seeds = [str(seed) for seed in results["seeds"]]
-    timing = results["timing"]
-    mean = lambda script, key: sum(timing[script][s][key] for s in seeds) / len(seeds)  # noqa: E731
-    sample, step = mean("grpo", "generation"), mean("grpo", "step")
-    pair, wait = mean("async_rl", "step"), mean("async_rl", "waiting")
-    return [f"grpo.py took {step:.2f} s a step, {sample:.2f} s of it sampling and {step - sample:.2f} s training",
-            f"the pair took {pair:.2f} s a step, of which the trainer waited {wait:.2f} s for the explorer",
-            f"{speed_ratio(results):.2f} times grpo.py's steps per minute"]
+    mean = lambda script, key: sum(results["timing"][script][s][key] for s in seeds) / len(seeds)  # noqa: E731
+    return [f"grpo.py took {mean('grpo', 'step'):.2f} s a step on two threads, {mean('grpo', 'generation'):.2f} s "
+            f"of it sampling, and {mean('grpo_1thread', 'step'):.2f} s on one thread, "
+            f"{mean('grpo_1thread', 'generation'):.2f} s of it sampling",
+            f"the pair took {mean('async_rl', 'step'):.2f} s a step: the explorer sampled a batch in "
+            f"{mean('async_rl', 'explorer_sampling'):.2f} s and the trainer waited {mean('async_rl', 'waiting'):.3f} s "
+            "for it",
+            f"{speed_ratio(results):.2f} times the steps per minute of grpo.py on two threads, and "
+            f"{speed_ratio(results, 'grpo_1thread'):.2f} times those of grpo.py on one thread",
+            f"the pair's trainer took {mean('async_rl', 'step') - mean('async_rl', 'waiting'):.2f} s a step where "
+            f"grpo.py's training took {mean('grpo_1thread', 'step') - mean('grpo_1thread', 'generation'):.2f} s on "
+            f"one thread and {mean('grpo', 'step') - mean('grpo', 'generation'):.2f} s on two"]
 
 
 def readme_sentence(results: dict) -> str:
-    """The README's file table quotes the ratio of steps per minute."""
-    return (f"one update stale, it runs {speed_ratio(results):.2f} times grpo.py's steps per minute on the 2-core CPU "
-            f"({len(results['seeds'])} seeds, [L71](docs/lessons.md#l71))")
+    """The README's file table quotes the ratios of steps per minute."""
+    return (f"on the 2-core CPU it runs {speed_ratio(results):.2f} times grpo.py's steps per minute (grpo.py's "
+            f"training already uses both cores; {speed_ratio(results, 'grpo_1thread'):.2f} times those of grpo.py on "
+            f"one thread, {len(results['seeds'])} seeds, [L71](docs/lessons.md#l71))")
 
 
 def figure(results: dict):
@@ -147,34 +159,51 @@ def figure(results: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (timeline, scores) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
-    seeds = sorted(set(results["timing"].get("grpo", {})) & set(results["timing"].get("async_rl", {})))
+    fig, (timeline, scores) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1.3, 1]})
+    seeds = sorted(set.intersection(*(set(results["timing"].get(name, {})) for name in TIMED)))
     if seeds:
         mean = lambda script, key: sum(results["timing"][script][s][key] for s in seeds) / len(seeds)  # noqa: E731
-        sample, train = mean("grpo", "generation"), mean("grpo", "step") - mean("grpo", "generation")
-        lanes = [("grpo.py", [(i * (sample + train), sample, "tab:blue") for i in range(4)] +
-                  [(i * (sample + train) + sample, train, "tab:orange") for i in range(4)])]
-        a_sample, a_step = mean("async_rl", "explorer_sampling"), mean("async_rl", "step")
-        a_wait = mean("async_rl", "waiting")
-        a_train = a_step - a_wait
-        lanes += [("pair: explorer", [(i * a_step, a_sample, "tab:blue") for i in range(5)]),
-                  ("pair: trainer", [(a_step * (i + 1) - a_train, a_train, "tab:orange") for i in range(4)] +
-                   [(a_step * (i + 1) - a_step, a_wait, "lightgrey") for i in range(4)])]
+        lanes = []
+        for name, label in (("grpo", "grpo.py, 2 threads"), ("grpo_1thread", "grpo.py, 1 thread")):
+            sample, train = mean(name, "generation"), mean(name, "step") - mean(name, "generation")
+            lanes.append((label, [(i * (sample + train), sample, "tab:blue") for i in range(4)] +
+                          [(i * (sample + train) + sample, train, "tab:orange") for i in range(4)]))
+        # the pair at sync_offset 1, simulated from its measured means: trainer step k starts when step k - 1 has
+        # ended and batch k has arrived; the explorer samples batch i once batch i - 1 is sent and version i - 2
+        # is published (the end of trainer step i - 2)
+        a_sample = mean("async_rl", "explorer_sampling")
+        a_train = mean("async_rl", "step") - mean("async_rl", "waiting")
+        sent, trained, explorer, trainer = [], [], [], []
+        for i in range(5):
+            begin = max(sent[-1] if sent else 0.0, trained[i - 2] if i >= 2 else 0.0)
+            explorer.append((begin, a_sample, "tab:blue"))
+            sent.append(begin + a_sample)
+            if i < 4:
+                start_k = max(trained[-1] if trained else 0.0, sent[i]) if i < len(sent) else trained[-1]
+                trainer.append((trained[-1] if trained else 0.0, start_k - (trained[-1] if trained else 0.0),
+                                "lightgrey"))
+                trained.append(start_k + a_train)
+                trainer.append((start_k, a_train, "tab:orange"))
+        lanes += [("pair: explorer, 1 thread", explorer), ("pair: trainer, 1 thread", trainer)]
+        a_step = mean("async_rl", "step")
         for y, (_, bars) in enumerate(reversed(lanes)):
             for start, width, colour in bars:
                 timeline.broken_barh([(start, width)], (y - 0.35, 0.7), color=colour, edgecolor="white")
         timeline.set_yticks(range(len(lanes)), [name for name, _ in reversed(lanes)])
         timeline.set_xlabel("seconds (measured means, seeds " + ", ".join(seeds) + ")")
-        timeline.set_title(f"four steps: sampling (blue), training (orange), waiting (grey); "
-                           f"{sample + train:.2f} s vs {a_step:.2f} s a step", fontsize=9)
-    arms = [arm for arm in ARMS if results["arms"].get(arm)]
-    for x, arm in enumerate(arms):
-        values = results["arms"][arm]
-        scores.scatter([x] * len(values), [v["sampled"] for v in values.values()], color="tab:green")
-        scores.plot([x - 0.25, x + 0.25], [sum(v["sampled"] for v in values.values()) / len(values)] * 2, color="k")
+        timeline.set_title(f"sampling (blue), training (orange), waiting (grey)\nthe pair {a_step:.2f} s a step, "
+                           f"grpo.py {mean('grpo', 'step'):.2f} s (2 threads), {mean('grpo_1thread', 'step'):.2f} s "
+                           "(1 thread)", fontsize=9)
+    arms = [arm for arm in ARMS if arm != "sync" and results["arms"].get(arm)]
+    for seed in results["seeds"]:
+        base = results["arms"]["sync"][str(seed)]["sampled"]
+        scores.plot(range(len(arms)), [results["arms"][arm][str(seed)]["sampled"] - base for arm in arms], "o-",
+                    alpha=0.7, label=f"seed {seed}")
+    scores.axhline(0, color="k", linewidth=0.8)
     scores.set_xticks(range(len(arms)), arms, rotation=30, fontsize=8)
-    scores.set_ylabel("held-out sampled accuracy at step 40 (%)")
-    scores.set_title("staleness x correction (black: the mean over seeds)", fontsize=9)
+    scores.set_ylabel("accuracy at step 40 minus sync's (points)")
+    scores.set_title("each arm against the synchronous run, seed by seed", fontsize=9)
+    scores.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(ROOT, "docs", "async.png"), dpi=110)
 
@@ -185,11 +214,12 @@ def main():
     parser.add_argument("--timing", action="store_true", help="the seconds-per-step runs (the machine to themselves)")
     parser.add_argument("--report", action="store_true", help="only write docs/async_runs.json and docs/async.png")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--timed", nargs="+", default=list(TIMED), choices=list(TIMED))
     args = parser.parse_args()
     if args.timing:
         for seed in args.seeds:
-            for script in ("grpo.py", "async_rl.py"):
-                timing_run(script, seed)
+            for name in args.timed:
+                timing_run(name, seed)
     elif not args.report:
         for seed in args.seeds:
             for arm in args.arms:
