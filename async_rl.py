@@ -15,7 +15,7 @@ trainer, prime-rl):
               staleness(i) = i - 1 - v(i) updates old when the trainer uses it (synchronizer.version_for_batch)
 
 With --sync_offset 0 (and --sync_interval 1) the explorer waits for every version: grpo.py's loop;
-with the correction off as well, grpo.py's numbers at the same seed, bit for bit. With --sync_offset 1,
+with the correction off as well, grpo.py's numbers at the same seed and threads, bit for bit. With --sync_offset 1,
 the default, it samples batch i + 1 while the trainer trains on batch i: the two overlap, and every
 batch after the first is one update stale. A stale batch was drawn from an older policy;
 --vllm_importance_sampling_correction (on here) weighs each token by pi_old / pi_sampler, truncated

@@ -677,7 +677,7 @@ def lessons() -> list[dict]:
              arms="async_runs.json timing: grpo.py -> async_rl.py",
              differs="two processes of one thread each, sampling and training at once, instead of one process of "
                      "two threads taking turns (and the trainer's batch received, its weights sent)",
-             unit="seconds per step (steps 2-19 of 20)",
+             unit="seconds per step (steps 2-20 of 20)",
              **paired(async_seconds("async_rl"), async_seconds("grpo"), "down", async_seconds_noise(),
                       "measured, the runs' step-to-step scatter (seconds)", ASYNC_REGISTERED)),
         *[dict(id=f"L{72 + i}", lesson=lesson, where="docs/async.md", arms=f"async_runs.json: {a} -> {b}",

@@ -45,7 +45,8 @@ def version_for_batch(i: int, sync_interval: int, sync_offset: int, max_stalenes
         with max_staleness s:  v(i) = max(v(i), i - 1 - s)     (the explorer waits for that version)
 
     sync_interval 1, sync_offset 0: v(i) = i - 1, every batch from the newest weights: the synchronous
-    loop. sync_offset 1: v(i) = i - 2, one batch sampled while the trainer trains on the one before."""
+    loop. sync_offset 1: v(i) = i - 2 from batch 2 on, one batch sampled while the trainer trains on the
+    one before."""
     version = max(0, (i - 1 - sync_offset) // sync_interval * sync_interval)
     return version if max_staleness is None else max(version, i - 1 - max_staleness)
 
