@@ -9,7 +9,8 @@ trainer, prime-rl):
               it also runs the held-out evaluation of the versions it loads, as Trinity's explorer does
     buffer    the batches on their way, oldest first (the pair's messages: lib/synchronizer.py);
               MIX's expert rows come from a second buffer, the expert file the trainer reads
-    trainer   takes the oldest batch, trains one step (GRPO's loss, or MIX's) and publishes version + 1
+    trainer   takes the oldest batch, trains one step (GRPO's loss, or MIX's); the new version is sent to
+              the explorer when the schedule says it will load it
     synchronizer  the explorer loads new weights every --sync_interval batches, --sync_offset batches
               behind (Trinity-RFT's names): batch i is sampled by version v(i) and is
               staleness(i) = i - 1 - v(i) updates old when the trainer uses it (synchronizer.version_for_batch)

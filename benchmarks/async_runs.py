@@ -101,7 +101,8 @@ def table(results: dict) -> str:
     """docs/async.md's table: per arm, the staleness, the two policies' gap, and the held-out sampled accuracy at
     step 40 per seed and its mean; then the timing."""
     seeds = [str(seed) for seed in results["seeds"]]
-    lines = ["| arm | staleness | mean abs log pi_old - log mu | " + " | ".join(f"seed {s}" for s in seeds)
+    lines = ["| arm | staleness (from batch sync_offset + 1 on) | mean abs log pi_old - log mu | "
+             + " | ".join(f"seed {s}" for s in seeds)
              + " | mean |", "|---|---|---|" + "---|" * (len(seeds) + 1)]
     for arm, runs in results["arms"].items():
         if sorted(runs) != sorted(seeds):
@@ -113,8 +114,8 @@ def table(results: dict) -> str:
     timing = results["timing"]
     lines += ["", "| seconds per step (steps 2-20 of 20) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
               "|---|" + "---|" * (len(seeds) + 1)]
-    for name, label in (("grpo", "grpo.py, two threads (its default)"), ("grpo_1thread", "grpo.py, one thread"),
-                        ("async_rl", "async_rl.py, one thread each")):
+    for name, label in (("grpo", "grpo.py, two threads (torch's default on this VM)"),
+                        ("grpo_1thread", "grpo.py, one thread"), ("async_rl", "async_rl.py, one thread each")):
         values = [timing[name][s]["step"] for s in seeds]
         lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {sum(values) / len(values):.2f} |")
     return "\n".join(lines)
@@ -146,9 +147,10 @@ def prose(results: dict) -> list[str]:
             f"{speed_ratio(results):.2f} times the steps per minute of grpo.py on two threads (per seed "
             f"{per_seed('grpo')}), and {speed_ratio(results, 'grpo_1thread'):.2f} times those of grpo.py on one "
             f"thread (per seed {per_seed('grpo_1thread')})",
-            f"taking grpo.py's training from two threads to one cost {train1 - train2:.2f} s a step ({train2:.2f} s "
-            f"to {train1:.2f} s), and the pair's trainer, beside the explorer, took {trainer - train1:.2f} s more "
-            f"than that ({trainer:.2f} s), while the sampling it hid took grpo.py {mean('grpo', 'generation'):.2f} s"]
+            f"everything but rollout.generate in grpo.py's step took {train2:.2f} s on two threads and {train1:.2f} s "
+            f"on one, so a one-thread trainer that hid all the sampling would take about {train1:.2f} s a step, "
+            f"{mean('grpo', 'step') - train1:.2f} s less than grpo.py on two threads; the pair's trainer, beside the "
+            f"explorer, took {trainer:.2f} s, at least {trainer - train1:.2f} s more"]
 
 
 def readme_sentence(results: dict) -> str:
@@ -161,8 +163,8 @@ def readme_sentence(results: dict) -> str:
 
 
 def figure(results: dict):
-    """docs/async.png: left, the timeline of four steps (who waits for whom), drawn from the measured mean
-    seconds; right, each arm's held-out sampled accuracy at step 40, per seed."""
+    """docs/async.png: left, four steps of each (who waits for whom), simulated from the mean seconds of steps
+    2-20; right, each arm's held-out sampled accuracy at step 40 minus the synchronous run's, per seed."""
     import matplotlib
 
     matplotlib.use("Agg")

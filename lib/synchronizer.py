@@ -126,7 +126,7 @@ class Pair:
         return into
 
     def close(self):
-        """Wait until every message sent has left (the peer received it), then leave the group."""
+        """Wait until every message sent has left (the peer received it); the group goes with the process."""
         with self.watch():
             for work, _ in self.pending:
                 work.wait()
