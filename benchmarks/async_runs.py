@@ -86,7 +86,13 @@ def report(seeds: list[int]):
                 "start_sampled": 100 * evals[0]["eval/accuracy_sampled"],
                 "staleness": max(r.get("off_policy/mean", 0) for r in rows(folder)),
                 "logp_gap": sum(r["sampling/sampling_logp_difference/mean"] for r in rows(folder)
-                                if "sampling/sampling_logp_difference/mean" in r) / STEPS}
+                                if "sampling/sampling_logp_difference/mean" in r) / STEPS,
+                "logp_gap_max": max(r.get("sampling/sampling_logp_difference/max", 0.0) for r in rows(folder)),
+                **({"weight_min": min(r["sampling/importance_sampling_ratio/min"] for r in rows(folder)
+                                      if "sampling/importance_sampling_ratio/min" in r),
+                    "weight_max": max(r["sampling/importance_sampling_ratio/max"] for r in rows(folder)
+                                      if "sampling/importance_sampling_ratio/max" in r)}
+                   if "true" in ARMS[arm] else {})}
     for script in TIMED:
         results["timing"][script] = {str(seed): seconds_per_step(f"{OUT}/timing/{script}/{seed}") for seed in seeds
                                      if os.path.isfile(os.path.join(ROOT, OUT, "timing", script, str(seed),
@@ -150,7 +156,19 @@ def prose(results: dict) -> list[str]:
             f"everything but rollout.generate in grpo.py's step took {train2:.2f} s on two threads and {train1:.2f} s "
             f"on one, so a one-thread trainer that hid all the sampling would take about {train1:.2f} s a step, "
             f"{mean('grpo', 'step') - train1:.2f} s less than grpo.py on two threads; the pair's trainer, beside the "
-            f"explorer, took {trainer:.2f} s, at least {trainer - train1:.2f} s more"]
+            f"explorer, took {trainer:.2f} s, at least {trainer - train1:.2f} s more",
+            tails(results)]
+
+
+def tails(results: dict) -> str:
+    """The page's sentence on the tails the mean gap hides: the largest single-token |log pi_old - log mu| of a run,
+    and the corrected runs' weights, over every step and seed."""
+    arms = results["arms"]
+    largest = lambda arm: max(run["logp_gap_max"] for run in arms[arm].values())  # noqa: E731
+    low = min(run["weight_min"] for arm in ("stale1", "stale2", "stale4") for run in arms[arm].values())
+    high = max(run["weight_max"] for arm in ("stale1", "stale2", "stale4") for run in arms[arm].values())
+    return (f"the largest single-token gap of a run was {largest('stale1'):.2f} nats at one update of staleness and "
+            f"{largest('stale4'):.2f} at four, and the corrected runs' weights ranged from {low:.2f} to {high:.2f}")
 
 
 def readme_sentence(results: dict) -> str:
