@@ -5,7 +5,8 @@ the two are processes of their own, as in Trinity-RFT (and TRL's AsyncGRPO, verl
 trainer, prime-rl):
 
     explorer  holds a copy of the policy, weights version v; samples B prompts x G completions, scores
-              them, and sends the batch (with v and the sampler's log-probs) to the trainer's buffer;
+              them, and sends the batch (with v, the sampler's log-probs and, by default, the reference
+              policy's: --reference_pass) to the trainer's buffer;
               it also runs the held-out evaluation of the versions it loads, as Trinity's explorer does
     buffer    the batches on their way, oldest first (the pair's messages: lib/synchronizer.py);
               MIX's expert rows come from a second buffer, the expert file the trainer reads
@@ -33,7 +34,8 @@ the ratio is 1 and no clip acts: the step is the policy gradient with that weigh
 One trainer step (the numbered comments of trainer()):
   1. take the oldest batch from the buffer (the explorer sampled and scored it with version v)
   2. advantages: (r - group mean) / (group std); MIX: E expert rows join the batch
-  3. inference: reference log-probs (beta > 0), pi_old (num_iterations > 1)
+  3. pi_ref's log-probs (beta > 0) came from the explorer (--reference_pass trainer: an inference pass here);
+     an inference pass for pi_old (num_iterations > 1)
   4. num_iterations gradient steps on GRPO's (or MIX's) loss, each token weighted by pi_old / pi_sampler
   5. publish the new weights when the explorer will load them
 
@@ -64,6 +66,7 @@ from lib.checks import check_settings
 from lib.synchronizer import EXPERIENCE, SCORES, START
 
 ALGORITHMS = ("grpo", "mix")
+PLACES = ("explorer", "trainer")  # --reference_pass
 
 
 @dataclasses.dataclass
@@ -83,6 +86,9 @@ class Config(mix.Config):
     pair_timeout_minutes: float = setting(30.0, lambda v: v > 0, "positive")
     """how long one process waits for the other's message before it stops (a peer that died is noticed at once; one
     that is alive but stuck, only after this)"""
+    reference_pass: str = setting("explorer", lambda v: v in PLACES, "one of " + ", ".join(PLACES))
+    """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (it has time to spare while
+    the trainer trains) or 'trainer' (grpo.py's place for it); the same numbers either way"""
     vllm_importance_sampling_correction: bool = True
     """on here: the sampler is an older version of the policy (decoupled PPO's behaviour policy)"""
     output_dir: str = "out/async_rl"
@@ -131,6 +137,10 @@ def explorer(cfg: Config, pair: synchronizer.Pair):
     if cfg.lora_r is not None:
         model = common.add_lora(model, cfg)
     model.to(distributed.get_device()).train()
+    # pi_ref, the frozen starting policy (or, with LoRA, the policy with its adapter off): by default its pass is
+    # here, on the side with time to spare, not in the trainer, the pair's slower half (docs/async.md, "Balance").
+    reference_here = cfg.beta > 0 and cfg.reference_pass == "explorer"
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference_here and cfg.lora_r is None else None
     synchronizer.load_flat_weights(model, pair.receive_weights(synchronizer.flat_weights(model)))
     version = start["version"]  # the trainer's version 0, or at --resume the one this batch was sampled with
     if start["generators"] is not None:  # --resume: the random streams as they were after that batch
@@ -157,11 +167,30 @@ def explorer(cfg: Config, pair: synchronizer.Pair):
         started = time.perf_counter()
         step_data = train_data[data_rng.sample(range(len(train_data)), num_prompts)]  # {column: [B values]}
         batch = grpo.sample_and_score(model, tokenizer, step_data, cfg)  # grpo.py's steps 1 and 2
-        pair.send_object({"batch": moved(batch, "cpu"), "version": version, "generators": generators(data_rng),
-                          "seconds": time.perf_counter() - started}, EXPERIENCE)  # into the buffer; goes on at once
+        ref_logprobs = reference_logprobs(model, ref_model, batch, cfg) if reference_here else None  # [B*G, T]
+        pair.send_object({"batch": moved(batch, "cpu"), "ref_logprobs": ref_logprobs, "version": version,
+                          "generators": generators(data_rng), "seconds": time.perf_counter() - started},
+                         EXPERIENCE)  # into the buffer; the explorer goes on at once
     while version < cfg.max_steps:  # the last versions, for their scores
         version = load_next_version()
     pair.close()
+
+
+def reference_logprobs(model, ref_model, batch: grpo.Rollout, cfg) -> torch.Tensor:
+    """log pi_ref of each completion token [B*G, T] (0 at padding), for the trainer's KL term: grpo.py's
+    step 4 pass, in the same micro-batches, so the same numbers."""
+    input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B*G, P+T]
+    attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B*G, P+T]
+    micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)
+    with common.reference_model(model, ref_model) as reference:
+        return rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask,
+                                 batch.completion_ids.shape[1], cfg.temperature, micro_batches=micro_batches).cpu()
+
+
+def all_rows(rollout_logprobs: torch.Tensor, T: int, num_expert: int) -> torch.Tensor:
+    """[B*G, t] log-probs of the rollouts -> [B*G+E, T]: 0 past a completion's end and on the E expert rows."""
+    return torch.cat([F.pad(rollout_logprobs, (0, T - rollout_logprobs.shape[1])),
+                      rollout_logprobs.new_zeros(num_expert, T)])
 
 
 def moved(batch: grpo.Rollout, device) -> grpo.Rollout:
@@ -194,7 +223,8 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
     _, _, model, tokenizer, longest = common.load_policy_and_prompts(cfg, per_step=num_prompts)
     model = run.prepare(model)  # gradient checkpointing, LoRA, device
     expert_examples = mix.load_expert_data(cfg, model, tokenizer, num_expert) if num_expert else []
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.beta > 0 and cfg.lora_r is None else None
+    ref_model = (copy.deepcopy(model).eval().requires_grad_(False)
+                 if cfg.beta > 0 and cfg.reference_pass == "trainer" and cfg.lora_r is None else None)
     run.log_memory([model], [ref_model], rows=cfg.per_device_train_batch_size,
                    sequence_length=longest + cfg.max_completion_length, completion_length=cfg.max_completion_length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -253,15 +283,17 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
         expert_mask = torch.arange(len(completion_ids), device=run.device) >= len(rewards)  # [B*G+E], True: expert
         advantages = F.pad(advantages, (0, num_expert))  # [B*G+E]; 0 on expert rows
 
-        # 3. Inference passes (no gradient): the reference policy, and pi_old if it will differ from pi.
+        # 3. pi_ref's log-probs (beta > 0): the explorer's, sent with the batch, or an inference pass here; pi_old,
+        #    if it will differ from pi, an inference pass of the trainer's weights before this step's updates.
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [B*G+E, P+T]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [B*G+E, P+T]
         T = completion_ids.shape[1]
-        sampler_logprobs = torch.cat([F.pad(batch.sampler_logprobs, (0, T - batch.completion_ids.shape[1])),
-                                      batch.sampler_logprobs.new_zeros(num_expert, T)])  # [B*G+E, T]: the behaviour's
+        sampler_logprobs = all_rows(batch.sampler_logprobs, T, num_expert)  # [B*G+E, T]: the behaviour policy's
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
         ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed
-        if cfg.beta > 0:
+        if message["ref_logprobs"] is not None:  # expert rows carry no KL term: 0 there
+            ref_logprobs = all_rows(message["ref_logprobs"].to(run.device), T, num_expert)
+        elif cfg.beta > 0:
             with common.reference_model(model, ref_model) as reference:
                 ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
                                                  cfg.temperature, micro_batches=micro_batches)
@@ -311,7 +343,7 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
             metrics, completions = grpo.step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy,
                                                  loss, grad_norm, scheduler, cfg)
         run.end_step({**metrics, "off_policy/mean": step - 1 - message["version"],  # staleness (prime-rl's name)
-                      "time/explorer_sampling": message["seconds"]}, completions)  # evaluate, save
+                      "time/explorer": message["seconds"]}, completions)  # evaluate, save
 
     plots = {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
              "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],

@@ -105,13 +105,15 @@ def test_at_staleness_0_the_pair_is_grpo_bit_for_bit(sft_checkpoint, tmp_path, m
         assert b.get("off_policy/mean", 0) == 0
 
 
-def _kill_one(processes, victim: int, after_checkpoint_of: str):
-    """SIGKILL the trainer (0) or the explorer (1) at a random moment after the run's first checkpoint: the other
-    must stop on its next message, with one sentence, not hang."""
-    while not any(os.path.isdir(os.path.join(after_checkpoint_of, name)) for name in ("checkpoint", "checkpoint.new")):
+def _kill_one(processes, victim: int, under_way):
+    """SIGKILL the trainer (0) or the explorer (1) at a random moment once under_way() says the two have met and the
+    run is going: the other must stop on its next message, with one sentence, not hang. (One killed before they met
+    leaves the other waiting at the meeting point until --pair_timeout_minutes; the launcher, or torchrun, stops it
+    sooner: synchronizer.launch.)"""
+    while not under_way():
         assert all(p.poll() is None for p in processes), processes[0].stderr[-3000:]
         time.sleep(0.01)
-    time.sleep(random.Random(victim).uniform(0, 1.5))
+    time.sleep(random.Random(victim).uniform(0, 1.0))
     processes[victim].kill()
     other = processes[1 - victim]
     assert other.wait(timeout=60) == 1, other.stderr[-2000:]
@@ -125,8 +127,10 @@ def test_mix_on_the_pair_and_a_kill_of_either_process_resumes_to_the_unbroken_ru
     """MIX's loss on the pair, one update stale (the default sync_offset 1), with the correction: every batch after
     the first is one update old, the importance weights and MIX's terms are logged. Killed
     (SIGKILL) first in the explorer, then in the trainer, each time --resumed: the same metrics and weights as the
-    unbroken run (the checkpoint holds the explorer's random streams and the versions it had still to load)."""
-    args = [*_short(sft_checkpoint, _fixed_problems(tmp_path, 8), 6), "--algorithm", "mix"]
+    unbroken run (the checkpoint holds the explorer's random streams and the versions it had still to load).
+    pi_ref's log-probs computed by the trainer, as grpo.py computes them."""
+    args = [*_short(sft_checkpoint, _fixed_problems(tmp_path, 8), 6), "--algorithm", "mix", "--reference_pass",
+            "trainer"]  # pi_ref's pass in the trainer here; in the explorer (the default) in the test above
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
     _pair_wait(_pair_start(*args, "--output_dir", unbroken))
     rows = [row for row in read_metrics(unbroken) if "reward" in row]
@@ -136,8 +140,9 @@ def test_mix_on_the_pair_and_a_kill_of_either_process_resumes_to_the_unbroken_ru
     assert all(row["sampling/importance_sampling_ratio/max"] - row["sampling/importance_sampling_ratio/min"] > 1e-3
                for row in rows[1:])
 
-    _kill_one(_pair_start(*args, "--output_dir", broken), 1, broken)
-    _kill_one(_pair_start(*args, "--output_dir", broken, "--resume", "true"), 0, broken)
+    _kill_one(_pair_start(*args, "--output_dir", broken), 1, lambda: os.path.isdir(os.path.join(broken, "checkpoint")))
+    resumed = _pair_start(*args, "--output_dir", broken, "--resume", "true")
+    _kill_one(resumed, 0, lambda: "resumed from" in resumed[0].stdout)
     trainer, _ = _pair_wait(_pair_start(*args, "--output_dir", broken, "--resume", "true"))
     assert "resumed from" in trainer.stdout
     assert_same_run(unbroken, broken)
