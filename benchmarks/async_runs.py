@@ -1,9 +1,9 @@
 """What the explorer and the trainer apart buy and cost (async_rl.py; claims in benchmarks/async_claims.md,
 written before the runs).
 
-    python benchmarks/async_runs.py --seeds 2 3 4       # the arms: staleness 0, 1, 2, 4, with and without the
+    python benchmarks/async_runs.py                     # the arms: staleness 0, 1, 2, 4, with and without the
                                                         # correction, 40 steps from sft.py --seed s (out/async/)
-    python benchmarks/async_runs.py --timing --seeds 2 3 4   # seconds per step: grpo.py against the pair
+    python benchmarks/async_runs.py --timing            # seconds per step, seeds 2-6: grpo.py against the pair
     python benchmarks/async_runs.py --report            # docs/async_runs.json and docs/async.png
 
 Each arm starts from out/syllabus/sft/<seed> (benchmarks/syllabus.py trains it when missing). The timing runs
@@ -40,20 +40,25 @@ def arm_run(arm: str, seed: int) -> str:
                                                   str(STEPS), "--eval_steps", "20", *ARMS[arm]])
 
 
-TIMED = {"grpo": ("grpo.py", None), "async_rl": ("async_rl.py", None), "grpo_1thread": ("grpo.py", "1")}
+TIMED = {  # name: (script, threads (None: the script's default), flags)
+    "grpo": ("grpo.py", None, []), "grpo_1thread": ("grpo.py", "1", []),
+    "async_rl": ("async_rl.py", None, []),
+    "async_rl_ref_trainer": ("async_rl.py", None, ["--reference_pass", "trainer"])}
+ARM_SEEDS, TIMING_SEEDS = [2, 3, 4], [2, 3, 4, 5, 6]  # what the report reads
 
 
 def timing_run(name: str, seed: int) -> str:
-    """One timing run (TIMED: grpo.py with its default threads, the pair at sync_offset 1 with one thread each,
-    grpo.py on one thread), TIMING_STEPS steps, one evaluation at the end."""
-    script, threads = TIMED[name]
+    """One timing run (TIMED: grpo.py with its default threads, grpo.py on one thread, the pair at sync_offset 1
+    with one thread each, pi_ref's pass in the explorer or in the trainer), TIMING_STEPS steps, one evaluation at
+    the end."""
+    script, threads, flags = TIMED[name]
     sft = start(seed)
     folder = f"{OUT}/timing/{name}/{seed}"
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each script's own default threads
     env.update({"OMP_NUM_THREADS": threads} if threads else {})
     subprocess.run([sys.executable, script, "--model", sft, "--seed", str(seed), "--max_steps", str(TIMING_STEPS),
                     "--eval_steps", str(TIMING_STEPS), "--eval_on_start", "false", "--num_eval_examples", "50",
-                    "--output_dir", folder, "--overwrite_output_dir", "true"], cwd=ROOT, check=True, env=env)
+                    "--output_dir", folder, "--overwrite_output_dir", "true", *flags], cwd=ROOT, check=True, env=env)
     return folder
 
 
@@ -64,16 +69,16 @@ def rows(folder: str) -> list[dict]:
 
 def seconds_per_step(folder: str) -> dict:
     """Mean seconds of a step, its parts, from step 2 on (step 1 includes the pair's first batch, which no
-    overlap can hide). time/explorer_sampling is the explorer's whole sample_and_score (generation, decoding,
-    scoring); grpo.py's time/generation is rollout.generate alone."""
+    overlap can hide). time/explorer is the explorer's whole work on a batch (generation, decoding, scoring, and
+    pi_ref's pass where it runs there); grpo.py's time/generation is rollout.generate alone."""
     steps = [r for r in rows(folder) if "time/step" in r and 1 < r["step"] <= TIMING_STEPS]
     mean = lambda key: sum(r.get(key, 0.0) for r in steps) / len(steps)  # noqa: E731
     return {"step": mean("time/step"), "waiting": mean("time/waiting"), "generation": mean("time/generation"),
-            "explorer_sampling": mean("time/explorer_sampling"), "steps": [r["time/step"] for r in steps]}
+            "explorer": mean("time/explorer"), "steps": [r["time/step"] for r in steps]}
 
 
-def report(seeds: list[int]):
-    results = {"steps": STEPS, "seeds": seeds, "arms": {}, "timing": {}}
+def report(seeds: list[int], timing_seeds: list[int]):
+    results = {"steps": STEPS, "seeds": seeds, "timing_seeds": timing_seeds, "arms": {}, "timing": {}}
     for arm in ARMS:
         results["arms"][arm] = {}
         for seed in seeds:
@@ -94,7 +99,8 @@ def report(seeds: list[int]):
                                       if "sampling/importance_sampling_ratio/max" in r)}
                    if "true" in ARMS[arm] else {})}
     for script in TIMED:
-        results["timing"][script] = {str(seed): seconds_per_step(f"{OUT}/timing/{script}/{seed}") for seed in seeds
+        results["timing"][script] = {str(seed): seconds_per_step(f"{OUT}/timing/{script}/{seed}")
+                                     for seed in timing_seeds
                                      if os.path.isfile(os.path.join(ROOT, OUT, "timing", script, str(seed),
                                                                     "eval.json"))}
     with open(os.path.join(ROOT, "docs", "async_runs.json"), "w") as f:
@@ -117,47 +123,69 @@ def table(results: dict) -> str:
         gap = sum(runs[s]["logp_gap"] for s in seeds) / len(seeds)
         lines.append(f"| {arm} | {runs[seeds[0]]['staleness']} | {gap:.4f} | "
                      + " | ".join(f"{v:.1f}" for v in values) + f" | {sum(values) / len(values):.1f} |")
-    timing = results["timing"]
+    timing, seeds = results["timing"], [str(seed) for seed in results["timing_seeds"]]
     lines += ["", "| seconds per step (steps 2-20 of 20) | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
               "|---|" + "---|" * (len(seeds) + 1)]
-    for name, label in (("grpo", "grpo.py, two threads (torch's default on this VM)"),
-                        ("grpo_1thread", "grpo.py, one thread"), ("async_rl", "async_rl.py, one thread each")):
+    for name, label in TIMING_ROWS:
         values = [timing[name][s]["step"] for s in seeds]
         lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {sum(values) / len(values):.2f} |")
     return "\n".join(lines)
 
 
-def speed_ratio(results: dict, against: str = "grpo") -> float:
-    """grpo.py's mean seconds per step (`against`: two threads, or grpo_1thread) over the pair's: the pair's steps
-    per minute in units of grpo.py's."""
-    seeds = [str(seed) for seed in results["seeds"]]
-    grpo = sum(results["timing"][against][s]["step"] for s in seeds)
-    return grpo / sum(results["timing"]["async_rl"][s]["step"] for s in seeds)
+TIMING_ROWS = (("grpo", "grpo.py, two threads (torch's default on this VM)"), ("grpo_1thread", "grpo.py, one thread"),
+               ("async_rl_ref_trainer", "async_rl.py --reference_pass trainer, one thread each"),
+               ("async_rl", "async_rl.py (pi_ref's pass in the explorer), one thread each"))
+
+
+def speed_ratio(results: dict, against: str = "grpo", pair: str = "async_rl", seeds=None) -> float:
+    """`against`'s mean seconds per step (grpo.py on two threads, grpo_1thread, or the other layout of the pair) over
+    `pair`'s: the pair's steps per minute in units of the other's, over the timing seeds (or `seeds`)."""
+    seeds = [str(seed) for seed in (seeds or results["timing_seeds"])]
+    return (sum(results["timing"][against][s]["step"] for s in seeds)
+            / sum(results["timing"][pair][s]["step"] for s in seeds))
+
+
+def per_seed_ratios(results: dict, against: str, pair: str = "async_rl", seeds=None) -> str:
+    return ", ".join(f"{results['timing'][against][s]['step'] / results['timing'][pair][s]['step']:.2f}"
+                     for s in [str(seed) for seed in (seeds or results["timing_seeds"])])
 
 
 def prose(results: dict) -> list[str]:
     """docs/async.md's sentences with numbers, as they must read from results (a test keeps them so)."""
-    seeds = [str(seed) for seed in results["seeds"]]
+    seeds = [str(seed) for seed in results["timing_seeds"]]
     mean = lambda script, key: sum(results["timing"][script][s][key] for s in seeds) / len(seeds)  # noqa: E731
-    per_seed = lambda against: ", ".join(  # noqa: E731
-        f"{results['timing'][against][s]['step'] / results['timing']['async_rl'][s]['step']:.2f}" for s in seeds)
-    train2, train1 = mean("grpo", "step") - mean("grpo", "generation"), mean("grpo_1thread", "step") - mean(
-        "grpo_1thread", "generation")
-    trainer = mean("async_rl", "step") - mean("async_rl", "waiting")
+    trainer = lambda pair: mean(pair, "step") - mean(pair, "waiting")  # noqa: E731
+    train1 = mean("grpo_1thread", "step") - mean("grpo_1thread", "generation")
     return [f"grpo.py took {mean('grpo', 'step'):.2f} s a step on two threads, {mean('grpo', 'generation'):.2f} s "
             f"of it sampling, and {mean('grpo_1thread', 'step'):.2f} s on one thread, "
             f"{mean('grpo_1thread', 'generation'):.2f} s of it sampling",
-            f"the pair took {mean('async_rl', 'step'):.2f} s a step: the explorer sampled and scored a batch in "
-            f"{mean('async_rl', 'explorer_sampling'):.2f} s and the trainer waited {mean('async_rl', 'waiting'):.3f} s "
-            "for it",
+            f"With pi_ref's pass in the trainer, the pair took {mean('async_rl_ref_trainer', 'step'):.2f} s a step: "
+            f"the explorer's batch took {mean('async_rl_ref_trainer', 'explorer'):.2f} s and the trainer's step "
+            f"{trainer('async_rl_ref_trainer'):.2f} s, waiting {mean('async_rl_ref_trainer', 'waiting'):.3f} s for "
+            f"a batch",
+            "With the pass in the explorer (the default), the explorer's batch took "
+            f"{mean('async_rl', 'explorer'):.2f} s and the trainer's step {trainer('async_rl'):.2f} s, waiting "
+            f"{mean('async_rl', 'waiting'):.3f} s: "
+            f"{mean('async_rl', 'step'):.2f} s a step",
+            f"{speed_ratio(results, 'async_rl_ref_trainer'):.2f} times the steps per minute of the trainer-side layout "
+            f"(per seed {per_seed_ratios(results, 'async_rl_ref_trainer')})",
             f"{speed_ratio(results):.2f} times the steps per minute of grpo.py on two threads (per seed "
-            f"{per_seed('grpo')}), and {speed_ratio(results, 'grpo_1thread'):.2f} times those of grpo.py on one "
-            f"thread (per seed {per_seed('grpo_1thread')})",
-            f"everything but rollout.generate in grpo.py's step took {train2:.2f} s on two threads and {train1:.2f} s "
-            f"on one, so a one-thread trainer that hid all the sampling would take about {train1:.2f} s a step, "
-            f"{mean('grpo', 'step') - train1:.2f} s less than grpo.py on two threads; the pair's trainer, beside the "
-            f"explorer, took {trainer:.2f} s, at least {trainer - train1:.2f} s more",
+            f"{per_seed_ratios(results, 'grpo')}), and {speed_ratio(results, 'grpo_1thread'):.2f} times those of "
+            f"grpo.py on one thread (per seed {per_seed_ratios(results, 'grpo_1thread')})",
+            "the trainer-side layout ran "
+            f"{speed_ratio(results, pair='async_rl_ref_trainer', seeds=results['seeds']):.2f} times grpo.py's steps "
+            f"per minute on seeds {', '.join(str(s) for s in results['seeds'])} (per seed "
+            f"{per_seed_ratios(results, 'grpo', 'async_rl_ref_trainer', results['seeds'])})",
+            f"everything but rollout.generate in grpo.py's step took {train1:.2f} s on one thread",
+            spread(results, "grpo"),
             tails(results)]
+
+
+def spread(results: dict, name: str) -> str:
+    """The page's sentence on how far one timed script's seconds per step ranged over the seeds."""
+    steps = {seed: run["step"] for seed, run in results["timing"][name].items()}
+    low, high = min(steps, key=steps.get), max(steps, key=steps.get)
+    return f"its step on two threads ranged from {steps[low]:.2f} s (seed {low}) to {steps[high]:.2f} s (seed {high})"
 
 
 def tails(results: dict) -> str:
@@ -172,12 +200,37 @@ def tails(results: dict) -> str:
 
 
 def readme_sentence(results: dict) -> str:
-    """The README's file table quotes the ratio of steps per minute and its verdict."""
-    seeds = [str(seed) for seed in results["seeds"]]
-    per_seed = ", ".join(f"{results['timing']['grpo'][s]['step'] / results['timing']['async_rl'][s]['step']:.2f}"
-                         for s in seeds)
-    return (f"on the 2-core CPU it ran {speed_ratio(results):.2f} times grpo.py's steps per minute (per seed "
-            f"{per_seed}): that it is faster is not shown ([L71](docs/lessons.md#l71))")
+    """The README's file table quotes the ratio of steps per minute and the ledger's verdict on it (L80)."""
+    import lessons
+
+    rows = lessons.lessons()
+    lessons.holm(rows)  # the correction over the whole ledger, as docs/lessons.md shows it
+    row = next(row for row in rows if row["id"] == "L80")
+    said = {"shown": "faster, shown", "not shown": "that it is faster is not shown"}[row["verdict"]]
+    said += ", though not after Holm's correction over the ledger" * (row.get("holm") == "not after Holm")
+    return (f"on the 2-core CPU it ran {speed_ratio(results):.2f} times grpo.py's steps per minute "
+            f"({len(results['timing_seeds'])} seeds, per seed {per_seed_ratios(results, 'grpo')}): {said} "
+            "([L80](docs/lessons.md#l80))")
+
+
+def pair_lanes(sample: float, train: float, steps: int = 4) -> tuple[list, list]:
+    """The pair at sync_offset 1, simulated from mean seconds (the explorer's batch, the trainer's step): trainer
+    step k starts when step k - 1 has ended and batch k has arrived; the explorer starts batch i once batch i - 1
+    is sent and version i - 2 is published (the end of trainer step i - 2). (start, width, colour) bars."""
+    sent, trained, explorer, trainer = [], [], [], []
+    for i in range(steps + 1):
+        begin = max(sent[-1] if sent else 0.0, trained[i - 2] if i >= 2 else 0.0)
+        if sent and begin > sent[-1]:  # waiting for the weights batch i needs
+            explorer.append((sent[-1], begin - sent[-1], "lightgrey"))
+        explorer.append((begin, sample, "tab:blue"))
+        sent.append(begin + sample)
+        if i < steps:
+            previous = trained[-1] if trained else 0.0
+            start_k = max(previous, sent[i])
+            trainer.append((previous, start_k - previous, "lightgrey"))
+            trained.append(start_k + train)
+            trainer.append((start_k, train, "tab:orange"))
+    return explorer, trainer
 
 
 def figure(results: dict):
@@ -188,44 +241,27 @@ def figure(results: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (timeline, scores) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1.3, 1]})
-    seeds = sorted(set.intersection(*(set(results["timing"].get(name, {})) for name in TIMED)))
-    if seeds:
-        mean = lambda script, key: sum(results["timing"][script][s][key] for s in seeds) / len(seeds)  # noqa: E731
-        lanes = []
-        for name, label in (("grpo", "grpo.py, 2 threads"), ("grpo_1thread", "grpo.py, 1 thread")):
-            sample, train = mean(name, "generation"), mean(name, "step") - mean(name, "generation")
-            lanes.append((label, [(i * (sample + train), sample, "tab:blue") for i in range(4)] +
-                          [(i * (sample + train) + sample, train, "tab:orange") for i in range(4)]))
-        # the pair at sync_offset 1, simulated from its measured means: trainer step k starts when step k - 1 has
-        # ended and batch k has arrived; the explorer samples batch i once batch i - 1 is sent and version i - 2
-        # is published (the end of trainer step i - 2)
-        a_sample = mean("async_rl", "explorer_sampling")
-        a_train = mean("async_rl", "step") - mean("async_rl", "waiting")
-        sent, trained, explorer, trainer = [], [], [], []
-        for i in range(5):
-            begin = max(sent[-1] if sent else 0.0, trained[i - 2] if i >= 2 else 0.0)
-            if sent and begin > sent[-1]:  # waiting for the weights batch i needs
-                explorer.append((sent[-1], begin - sent[-1], "lightgrey"))
-            explorer.append((begin, a_sample, "tab:blue"))
-            sent.append(begin + a_sample)
-            if i < 4:
-                start_k = max(trained[-1] if trained else 0.0, sent[i]) if i < len(sent) else trained[-1]
-                trainer.append((trained[-1] if trained else 0.0, start_k - (trained[-1] if trained else 0.0),
-                                "lightgrey"))
-                trained.append(start_k + a_train)
-                trainer.append((start_k, a_train, "tab:orange"))
-        lanes += [("pair: explorer, 1 thread", explorer), ("pair: trainer, 1 thread", trainer)]
-        a_step = mean("async_rl", "step")
-        for y, (_, bars) in enumerate(reversed(lanes)):
-            for start, width, colour in bars:
-                timeline.broken_barh([(start, width)], (y - 0.35, 0.7), color=colour, edgecolor="white")
-        timeline.set_yticks(range(len(lanes)), [name for name, _ in reversed(lanes)])
-        timeline.set_xlabel("seconds: simulated from the mean timings of steps 2-20, seeds " + ", ".join(seeds)
-                            + " (the pair's first wait included)")
-        timeline.set_title(f"sampling (blue), training (orange), waiting (grey)\nthe pair {a_step:.2f} s a step, "
-                           f"grpo.py {mean('grpo', 'step'):.2f} s (2 threads), {mean('grpo_1thread', 'step'):.2f} s "
-                           "(1 thread)", fontsize=9)
+    fig, (timeline, scores) = plt.subplots(1, 2, figsize=(14, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    seeds = [str(seed) for seed in results["timing_seeds"]]
+    mean = lambda script, key: sum(results["timing"][script][s][key] for s in seeds) / len(seeds)  # noqa: E731
+    lanes = []
+    for name, label in (("grpo", "grpo.py, 2 threads"), ("grpo_1thread", "grpo.py, 1 thread")):
+        sample, train = mean(name, "generation"), mean(name, "step") - mean(name, "generation")
+        lanes.append((label, [(i * (sample + train), sample, "tab:blue") for i in range(4)] +
+                      [(i * (sample + train) + sample, train, "tab:orange") for i in range(4)]))
+    for name, where in (("async_rl_ref_trainer", "pi_ref in trainer"), ("async_rl", "pi_ref in explorer")):
+        explorer, trainer = pair_lanes(mean(name, "explorer"), mean(name, "step") - mean(name, "waiting"))
+        lanes += [(f"pair ({where}): explorer", explorer), (f"pair ({where}): trainer", trainer)]
+    for y, (_, bars) in enumerate(reversed(lanes)):
+        for start, width, colour in bars:
+            timeline.broken_barh([(start, width)], (y - 0.35, 0.7), color=colour, edgecolor="white")
+    timeline.set_yticks(range(len(lanes)), [name for name, _ in reversed(lanes)], fontsize=8)
+    timeline.set_xlabel("seconds: simulated from the mean timings of steps 2-20, seeds " + ", ".join(seeds)
+                        + " (the pair's first wait included)")
+    timeline.set_title(f"sampling (blue), training (orange), waiting (grey); seconds a step: grpo.py "
+                       f"{mean('grpo', 'step'):.2f} (2 threads), {mean('grpo_1thread', 'step'):.2f} (1 thread);\n"
+                       f"the pair {mean('async_rl_ref_trainer', 'step'):.2f} (pi_ref in the trainer), "
+                       f"{mean('async_rl', 'step'):.2f} (pi_ref in the explorer)", fontsize=9)
     arms = [arm for arm in ARMS if arm != "sync" and results["arms"].get(arm)]
     for seed in results["seeds"]:
         base = results["arms"]["sync"][str(seed)]["sampled"]
@@ -242,21 +278,23 @@ def figure(results: dict):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="the seeds to run (default: "
+                        + " ".join(map(str, ARM_SEEDS)) + ", with --timing " + " ".join(map(str, TIMING_SEEDS)) + ")")
     parser.add_argument("--timing", action="store_true", help="the seconds-per-step runs (the machine to themselves)")
     parser.add_argument("--report", action="store_true", help="only write docs/async_runs.json and docs/async.png")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--timed", nargs="+", default=list(TIMED), choices=list(TIMED))
     args = parser.parse_args()
+    seeds = args.seeds or (TIMING_SEEDS if args.timing else ARM_SEEDS)
     if args.timing:
-        for seed in args.seeds:
+        for seed in seeds:
             for name in args.timed:
                 timing_run(name, seed)
     elif not args.report:
-        for seed in args.seeds:
+        for seed in seeds:
             for arm in args.arms:
                 arm_run(arm, seed)
-    print(table(report(args.seeds)))
+    print(table(report(ARM_SEEDS, TIMING_SEEDS)))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ AGENT = read("agent_runs.json")
 DISTILL, MAJORITY, REMEDIES = read("distill_runs.json"), read("majority_vote.json"), read("entropy_remedies.json")
 ASYNC = read("async_runs.json")
 ASYNC_REGISTERED = "2026-11-29, c60fce4: benchmarks/async_claims.md"  # written before async_runs.py ran
+ASYNC_REFERENCE_REGISTERED = "2026-11-29, c5acf4c: benchmarks/async_claims.md"  # before any --reference_pass run
 SAMPLER = read("sampler_gap.json")
 SEEDS = SYLLABUS["seeds"]
 
@@ -327,15 +328,17 @@ def async_final(arm: str) -> dict:
     return {int(seed): run["sampled"] for seed, run in ASYNC["arms"][arm].items()}
 
 
-def async_seconds(script: str) -> dict:
-    """{seed: mean seconds per step} of async_runs.json's timing runs (grpo or async_rl)."""
-    return {int(seed): run["step"] for seed, run in ASYNC["timing"][script].items()}
+def async_seconds(script: str, seeds: list | None = None) -> dict:
+    """{seed: mean seconds per step} of async_runs.json's timing runs (TIMED's names), over `seeds` (default all)."""
+    return {int(seed): run["step"] for seed, run in ASYNC["timing"][script].items()
+            if seeds is None or int(seed) in seeds}
 
 
-def async_seconds_noise() -> float:
-    """step_noise of the timing runs' seconds per step: the pair's against grpo.py's, seed by seed."""
-    pair, grpo = ASYNC["timing"]["async_rl"], ASYNC["timing"]["grpo"]
-    return step_noise([pair[sd]["steps"] for sd in sorted(pair)], [grpo[sd]["steps"] for sd in sorted(pair)], 1.0)
+def async_seconds_noise(b: str, a: str, seeds: list | None = None) -> float:
+    """step_noise of two timing runs' seconds per step (b's against a's), seed by seed."""
+    runs_b, runs_a = ASYNC["timing"][b], ASYNC["timing"][a]
+    shared = [sd for sd in sorted(runs_b) if seeds is None or int(sd) in seeds]
+    return step_noise([runs_b[sd]["steps"] for sd in shared], [runs_a[sd]["steps"] for sd in shared], 1.0)
 
 
 def agent_final(arm: str, key: str = "accuracy_sampled") -> dict:
@@ -672,14 +675,33 @@ def lessons() -> list[dict]:
              differs="--vllm_importance_sampling_correction true (token_truncate, C = 3)",
              unit="points, final sampled accuracy (step 40)",
              **paired(sampler_final("bf16_tis"), sampler_final("bf16"), "same")),
-        dict(id="L71", lesson="The explorer and the trainer apart (one update stale) take fewer seconds per step than "
-                              "grpo.py on the 2-core CPU", where="docs/async.md; README.md",
-             arms="async_runs.json timing: grpo.py -> async_rl.py",
+        dict(id="L71", lesson="The explorer and the trainer apart (one update stale, pi_ref's pass in the trainer) "
+                              "take fewer seconds per step than grpo.py on the 2-core CPU",
+             where="docs/async.md",
+             arms="async_runs.json timing, seeds 2-4 as registered: grpo.py -> async_rl.py --reference_pass trainer",
              differs="two processes of one thread each, sampling and training at once, instead of one process of "
                      "two threads taking turns (and the trainer's batch received, its weights sent)",
              unit="seconds per step (steps 2-20 of 20)",
-             **paired(async_seconds("async_rl"), async_seconds("grpo"), "down", async_seconds_noise(),
+             **paired(async_seconds("async_rl_ref_trainer", [2, 3, 4]), async_seconds("grpo", [2, 3, 4]), "down",
+                      async_seconds_noise("async_rl_ref_trainer", "grpo", [2, 3, 4]),
                       "measured, the runs' step-to-step scatter (seconds)", ASYNC_REGISTERED)),
+        dict(id="L79", lesson="Computing pi_ref's log-probs in the explorer instead of the trainer takes the pair "
+                              "fewer seconds per step on the 2-core CPU", where="docs/async.md",
+             arms="async_runs.json timing: async_rl.py --reference_pass trainer -> explorer",
+             differs="the reference model's inference pass over each batch run by the explorer, sent with the batch",
+             unit="seconds per step (steps 2-20 of 20)",
+             **paired(async_seconds("async_rl"), async_seconds("async_rl_ref_trainer"), "down",
+                      async_seconds_noise("async_rl", "async_rl_ref_trainer"),
+                      "measured, the runs' step-to-step scatter (seconds)", ASYNC_REFERENCE_REGISTERED)),
+        dict(id="L80", lesson="The explorer and the trainer apart, at async_rl.py's defaults, take fewer seconds per "
+                              "step than grpo.py on the 2-core CPU", where="docs/async.md; README.md",
+             arms="async_runs.json timing: grpo.py -> async_rl.py",
+             differs="two processes of one thread each, sampling (and pi_ref's pass) in one while the other trains, "
+                     "instead of one process of two threads taking turns",
+             unit="seconds per step (steps 2-20 of 20)",
+             **paired(async_seconds("async_rl"), async_seconds("grpo"), "down",
+                      async_seconds_noise("async_rl", "grpo"),
+                      "measured, the runs' step-to-step scatter (seconds)", ASYNC_REFERENCE_REGISTERED)),
         *[dict(id=f"L{72 + i}", lesson=lesson, where="docs/async.md", arms=f"async_runs.json: {a} -> {b}",
                differs=differs, unit="points, final sampled accuracy (step 40)",
                **paired(async_final(b), async_final(a), claim, registered=ASYNC_REGISTERED if registered else ""))

@@ -770,11 +770,14 @@ def test_sampler_gap_table_is_the_committed_runs():
 
 def test_async_page_and_readme_quote_the_committed_runs():
     """docs/async.md's table and sentences, and the README's ratio of steps per minute, are what
-    benchmarks/async_runs.py prints from the committed docs/async_runs.json (3 seeds, 7 arms, the timing runs)."""
+    benchmarks/async_runs.py prints from the committed docs/async_runs.json (3 seeds, 7 arms; the timing runs, 4
+    scripts on 5 seeds)."""
     async_runs = load_benchmark("async_runs")
     saved, page = json.loads(read("docs", "async_runs.json")), read("docs", "async.md")
     assert saved["seeds"] == [2, 3, 4] and list(saved["arms"]) == list(async_runs.ARMS)
     assert all(sorted(runs) == ["2", "3", "4"] for runs in saved["arms"].values())
+    assert saved["timing_seeds"] == [2, 3, 4, 5, 6] and list(saved["timing"]) == list(async_runs.TIMED)
+    assert all(sorted(runs) == ["2", "3", "4", "5", "6"] for runs in saved["timing"].values())
     assert async_runs.table(saved) in page
     for sentence in async_runs.prose(saved):
         assert sentence in " ".join(page.split()), sentence
