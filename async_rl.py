@@ -87,8 +87,8 @@ class Config(mix.Config):
     """how long one process waits for the other's message before it stops (a peer that died is noticed at once; one
     that is alive but stuck, only after this)"""
     reference_pass: str = setting("explorer", lambda v: v in PLACES, "one of " + ", ".join(PLACES))
-    """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (it has time to spare while
-    the trainer trains) or 'trainer' (grpo.py's place for it); the same numbers either way"""
+    """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (the trainer, the slower half
+    without it, then only trains) or 'trainer' (grpo.py's place for it); the same numbers either way"""
     vllm_importance_sampling_correction: bool = True
     """on here: the sampler is an older version of the policy (decoupled PPO's behaviour policy)"""
     output_dir: str = "out/async_rl"
