@@ -12,9 +12,9 @@ trainer, prime-rl):
               MIX's expert rows come from a second buffer, the expert file the trainer reads
     trainer   takes the oldest batch, trains one step (GRPO's loss, or MIX's); the new version is sent to
               the explorer when the schedule says it will load it
-    synchronizer  the explorer loads new weights every --sync_interval batches, --sync_offset batches
-              behind (Trinity-RFT's names): batch i is sampled by version v(i) and is
-              staleness(i) = i - 1 - v(i) updates old when the trainer uses it (synchronizer.version_for_batch)
+    synchronizer  the explorer loads new weights every --sync_interval batches and runs --sync_offset
+              batches ahead (Trinity-RFT's names): batch i is sampled by version v(i) and is
+              staleness(i) = i - 1 - v(i) versions old when the trainer uses it (synchronizer.version_for_batch)
 
 With --sync_offset 0 (and --sync_interval 1) the explorer waits for every version: grpo.py's loop;
 with the correction off as well, grpo.py's numbers at the same seed and threads, bit for bit. With --sync_offset 1,
@@ -79,16 +79,18 @@ class Config(mix.Config):
     sync_offset: int = setting(1, lambda v: v >= 0, "0 or more")
     """how many batches the explorer runs ahead of the trainer's weights (Trinity-RFT's name): 0 with
     --sync_interval 1 is the synchronous loop (grpo.py's); after the first sync_offset batches a batch is
-    sync_offset to sync_offset + sync_interval - 1 updates stale (synchronizer.version_for_batch)"""
+    sync_offset to sync_offset + sync_interval - 1 versions (trainer steps) stale (synchronizer.version_for_batch)"""
     max_staleness: int | None = setting(None, lambda v: v is None or v >= 0, "0 or more (leave it out for no bound)")
-    """no batch is sampled by weights more than this many updates older than the trainer's: the explorer waits for
-    newer ones (TRL's name; TRL's AsyncGRPO and Trinity's staleness_control sampler skip an older sample instead)"""
+    """no batch is sampled by weights more than this many versions (trainer steps) older than the trainer's: the
+    explorer waits for newer ones (TRL's name; TRL's AsyncGRPO and Trinity's staleness_control sampler skip an older
+    sample instead)"""
     pair_timeout_minutes: float = setting(30.0, lambda v: v > 0, "positive")
     """how long one process waits for the other's message before it stops (a peer that died is noticed at once; one
     that is alive but stuck, only after this)"""
     reference_pass: str = setting("explorer", lambda v: v in PLACES, "one of " + ", ".join(PLACES))
-    """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (the trainer, the slower half
-    without it, then only trains) or 'trainer' (grpo.py's place for it); the same numbers either way"""
+    """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (the explorer computes them and
+    the trainer only trains) or 'trainer' (grpo.py's place for them); with --algorithm grpo the same numbers either
+    way, bit for bit; with mix, to float rounding (the trainer's pass pads the rollouts to the expert rows' widths)"""
     vllm_importance_sampling_correction: bool = True
     """on here: the sampler is an older version of the policy (decoupled PPO's behaviour policy)"""
     output_dir: str = "out/async_rl"
@@ -138,7 +140,7 @@ def explorer(cfg: Config, pair: synchronizer.Pair):
         model = common.add_lora(model, cfg)
     model.to(distributed.get_device()).train()
     # pi_ref, the frozen starting policy (or, with LoRA, the policy with its adapter off): by default its pass is
-    # here, on the side with time to spare, not in the trainer, the pair's slower half (docs/async.md, "Balance").
+    # here, moved off the trainer, the slower half while it held the pass (docs/async.md, "Balance").
     reference_here = cfg.beta > 0 and cfg.reference_pass == "explorer"
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if reference_here and cfg.lora_r is None else None
     synchronizer.load_flat_weights(model, pair.receive_weights(synchronizer.flat_weights(model)))

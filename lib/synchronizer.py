@@ -6,8 +6,10 @@ decides which weights sample each batch.
                    and which versions the trainer publishes
     Pair           the two processes' torch.distributed group (gloo, rank 0 the trainer, rank 1 the
                    explorer): objects (a batch of experiences, held-out scores) and weights sent between
-                   them; a send never waits for the other side, a receive does. A peer that died
-                   stops this one with one sentence (PeerStopped), not a hang.
+                   them; a send never waits for the other side, a receive does. Once the two have
+                   met, a peer that died stops this one with one sentence (PeerStopped), not a hang;
+                   before they meet, the launcher or torchrun stops the one left waiting (or, started
+                   by hand, --pair_timeout_minutes does).
     launch         `python async_rl.py` starts the two processes itself; under torchrun (2 processes, on
                    one machine or two) torchrun has started them.
 

@@ -195,22 +195,22 @@ FSDP_RUNS = [
     ("reward_model.py", ["--max_steps", "3", "--per_device_train_batch_size", "8", "--policy_prompts", "16",
                          "--samples_per_prompt", "2", "--eval_steps", "3"]),
     ("grpo.py", ["--max_steps", "3", *GRPO_SHORT]),
-    ("mix.py", ["--max_steps", "2", *GRPO_SHORT]),
     ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8"]),
     # LoRA: the frozen base sharded beside the adapters (the policy's, its reference the adapter off, as in
-    # grpo.py and mix.py), and PPO's critic a LoRA scalar head
+    # grpo.py), and PPO's critic a LoRA scalar head
     ("ppo.py", ["--max_steps", "2", "--per_device_train_batch_size", "8", "--lora_r", "8"]),
 ]
 
 
 @pytest.mark.slow
 def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path):
-    """sft, reward_model, grpo, mix and ppo under torchrun with --fsdp (FSDP_RUNS; the other scripts share their
-    run machinery but are not run sharded here): the same metrics and weights as the same
+    """sft, reward_model, grpo and ppo under torchrun with --fsdp (FSDP_RUNS; the other scripts share their
+    run machinery but are not run sharded here: mix.py's sharding is grpo.py's line, and its loss and gradient
+    under FSDP are the test above's): the same metrics and weights as the same
     two-process run with data parallelism (which the test above and test_torchrun_* tie to one
     process on the whole batch), to float32 rounding; the start-up memory table divides the sharded
-    rows by 2. Speed: the 12 runs share one torchrun (tests/helpers/run_mains.py), one start-up
-    instead of 12 (importing torch and transformers is most of a 3-step run); one test, so that one
+    rows by 2. Speed: the 10 runs share one torchrun (tests/helpers/run_mains.py), one start-up
+    instead of 10 (importing torch and transformers is most of a 3-step run); one test, so that one
     worker of `-n 2` runs them while the other runs other tests."""
     runs = []
     for i, (script, args) in enumerate(FSDP_RUNS):
