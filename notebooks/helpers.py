@@ -41,9 +41,10 @@ def run(main, cfg, capped=True):
     (harness.plot_metrics switches to Agg to write its PNG, which would hide the inline plots).
     A notebook run again replaces its earlier run (--overwrite_output_dir)."""
     backend = matplotlib.get_backend()
-    if MAX_STEPS and capped:
+    if MAX_STEPS and capped:  # the test's short runs, evaluated on a few problems
         cfg = dataclasses.replace(cfg, max_steps=min(cfg.max_steps, MAX_STEPS),
-                                  eval_steps=min(cfg.eval_steps, MAX_STEPS))
+                                  eval_steps=min(cfg.eval_steps, MAX_STEPS),
+                                  num_eval_examples=min(cfg.num_eval_examples, MAX_STEPS))
     main(dataclasses.replace(cfg, overwrite_output_dir=True))
     matplotlib.use(backend)
     return cfg.output_dir
