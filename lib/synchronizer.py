@@ -1,6 +1,6 @@
 """The explorer and the trainer of async_rl.py as two processes, and what passes between them
-(note 001's Trinity-RFT layout; docs/async.md). No loss or gradient is computed here; the schedule
-decides which weights sample each batch.
+(Trinity-RFT's layout, from its code: the notes give only MIX's two buffers; docs/async.md). No loss
+or gradient is computed here; the schedule decides which weights sample each batch.
 
     schedule       which weights version samples each batch (sync_interval, sync_offset, max_staleness),
                    and which versions the trainer publishes
@@ -41,7 +41,8 @@ START, EXPERIENCE, SCORES, WEIGHTS = 1, 2, 3, 4  # message tags: each kind arriv
 def version_for_batch(i: int, sync_interval: int, sync_offset: int, max_staleness: int | None = None) -> int:
     """The weights version that samples batch i (i = 1, 2, ...; the trainer's step i trains on it,
     starting from version i - 1; version k = the weights after k updates). The explorer takes new
-    weights at every sync_interval-th batch, sync_offset batches behind the trainer (Trinity-RFT's names):
+    weights at every sync_interval-th batch and runs sync_offset batches ahead of the trainer, so its weights are
+    sync_offset or more versions behind (Trinity-RFT's names):
 
         v(i) = max(0, sync_interval * floor((i - 1 - sync_offset) / sync_interval))
         with max_staleness s:  v(i) = max(v(i), i - 1 - s)     (the explorer waits for that version)
