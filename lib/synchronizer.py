@@ -85,8 +85,10 @@ class Pair:
         self.peer_name = NAMES[1 - rank]
         self.pending = []  # sends in flight, with the buffers they read (kept alive until sent)
         timeout = datetime.timedelta(minutes=timeout_minutes)
+        # Under torchrun its agent already serves a store at MASTER_ADDR:MASTER_PORT: both join it as clients.
+        serves = rank == TRAINER and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         with self.watch():
-            store = dist.TCPStore(address, port, 2, rank == TRAINER, timeout=timeout)
+            store = dist.TCPStore(address, port, 2, serves, timeout=timeout)
             self.group = dist.ProcessGroupGloo(dist.PrefixStore("pair", store), rank, 2, timeout)
 
     @contextlib.contextmanager
