@@ -89,8 +89,7 @@ class Config(mix.Config):
     that is alive but stuck, only after this)"""
     reference_pass: str = setting("explorer", lambda v: v in PLACES, "one of " + ", ".join(PLACES))
     """which process computes pi_ref's log-probs for the KL term (beta > 0): 'explorer' (the explorer computes them and
-    the trainer only trains) or 'trainer' (grpo.py's place for them); with --algorithm grpo the same numbers either
-    way, bit for bit; with mix, to float rounding (the trainer's pass pads the rollouts to the expert rows' widths)"""
+    the trainer only trains) or 'trainer' (grpo.py's place for them); the same pass either way, the same numbers"""
     vllm_importance_sampling_correction: bool = True
     """on here: the sampler is an older version of the policy (decoupled PPO's behaviour policy)"""
     output_dir: str = "out/async_rl"
@@ -179,8 +178,9 @@ def explorer(cfg: Config, pair: synchronizer.Pair):
 
 
 def reference_logprobs(model, ref_model, batch: grpo.Rollout, cfg) -> torch.Tensor:
-    """log pi_ref of each completion token [B*G, T] (0 at padding), for the trainer's KL term: grpo.py's
-    step 4 pass, in the same micro-batches, so the same numbers."""
+    """log pi_ref(y_t | x, y_<t) of each completion token [B*G, T] (0 at padding), for the trainer's KL term:
+    grpo.py's step-4 pass, in the same micro-batches, so the same numbers; the explorer's or the trainer's
+    (--reference_pass)."""
     input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], dim=1)  # [B*G, P+T]
     attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], dim=1)  # [B*G, P+T]
     micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)
@@ -293,12 +293,10 @@ def trainer(cfg: Config, pair: synchronizer.Pair):
         sampler_logprobs = all_rows(batch.sampler_logprobs, T, num_expert)  # [B*G+E, T]: the behaviour policy's
         micro_batches = torch.arange(len(input_ids)).split(cfg.per_device_train_batch_size)  # gradient accumulation
         ref_logprobs = old_logprobs = None  # [B*G+E, T] each, where needed
-        if message["ref_logprobs"] is not None:  # expert rows carry no KL term: 0 there
-            ref_logprobs = all_rows(message["ref_logprobs"].to(run.device), T, num_expert)
-        elif cfg.beta > 0:
-            with common.reference_model(model, ref_model) as reference:
-                ref_logprobs = rollout.inference(rollout.completion_logprobs, reference, input_ids, attention_mask, T,
-                                                 cfg.temperature, micro_batches=micro_batches)
+        if cfg.beta > 0:  # the rollouts' [B*G, t], from the explorer or computed here; expert rows carry no KL term
+            rollout_ref = (message["ref_logprobs"] if message["ref_logprobs"] is not None
+                           else reference_logprobs(model, ref_model, batch, cfg))
+            ref_logprobs = all_rows(rollout_ref.to(run.device), T, num_expert)  # 0 on the expert rows
         if cfg.num_iterations > 1:  # the proximal policy pi_old: the trainer's weights before this step's updates
             old_logprobs = rollout.inference(rollout.completion_logprobs, model, input_ids, attention_mask, T,
                                              cfg.temperature, micro_batches=micro_batches)

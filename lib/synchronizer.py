@@ -40,7 +40,7 @@ START, EXPERIENCE, SCORES, WEIGHTS = 1, 2, 3, 4  # message tags: each kind arriv
 # ---------------------------------------------------------------------------------------------
 def version_for_batch(i: int, sync_interval: int, sync_offset: int, max_staleness: int | None = None) -> int:
     """The weights version that samples batch i (i = 1, 2, ...; the trainer's step i trains on it,
-    starting from version i - 1; version k = the weights after k updates). The explorer takes new
+    starting from version i - 1; version k = the weights after k trainer steps). The explorer takes new
     weights at every sync_interval-th batch and runs sync_offset batches ahead of the trainer, so its weights are
     sync_offset or more versions behind (Trinity-RFT's names):
 
