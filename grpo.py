@@ -238,11 +238,12 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
         l_it = -( w_it min(ratio A_i, clip(ratio, 1 - eps, 1 + eps_high) A_i) - beta k3_it ),  ratio = pi / pi_old
     eps_high = epsilon_high, or eps (DAPO's clip-higher); w_it = sampler_weights (TIS), else 1; cispo (MiniMax-M1):
     -w_it min(ratio, eps_high).detach() A_i logp in place of the min. logprobs, old_logprobs, ref_logprobs (None when
-    beta is 0), mask [N, T]; advantages [N] -> [N, T], 0 at padding: junk there never reaches value or gradient."""
+    beta is 0), mask [N, T]; advantages [N] (or [N, T], a token's own: grpo_process.py) -> [N, T], 0 at padding:
+    junk there never reaches value or gradient."""
     mask = mask.bool()
     logprobs, old_logprobs = torch.where(mask, logprobs, 0.0), torch.where(mask, old_logprobs, 0.0)  # padding: 0
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)  # [N, T] or [N, 1]
-    A, high = advantages.unsqueeze(1), clip_eps if epsilon_high is None else epsilon_high  # A [N, 1]
+    A, high = token_advantages(advantages), clip_eps if epsilon_high is None else epsilon_high  # A [N, 1] or [N, T]
     if cispo:  # a capped, detached weight on the plain policy gradient
         per_token = -torch.clamp(ratio, max=high).detach() * A * logprobs  # [N, T]
     else:
@@ -252,6 +253,11 @@ def per_token_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, clip_
     if beta != 0:
         per_token = per_token + beta * kl_k3(logprobs, torch.where(mask, ref_logprobs, 0.0))
     return torch.where(mask, per_token, 0.0)
+
+
+def token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """A completion's advantage for each of its tokens: [N] -> [N, 1] (broadcast); [N, T] stays as it is."""
+    return advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
 
 
 def aggregate(per_token, mask, loss_type, step_mask=None, max_completion_length=None) -> torch.Tensor:
@@ -299,7 +305,7 @@ def clip_fraction(logprobs, old_logprobs, advantages, mask, clip_eps, epsilon_hi
     where A > 0 as TRL 1.16's cispo_clip_ratio."""
     ratio = importance_ratio(torch.where(mask.bool(), logprobs, 0.0), torch.where(mask.bool(), old_logprobs, 0.0),
                              mask, importance_sampling_level)
-    A = advantages.unsqueeze(1)
+    A = token_advantages(advantages)
     high = clip_eps if epsilon_high is None else epsilon_high
     if loss_type == "cispo":
         clipped = (ratio > high) & (A > 0)
@@ -351,7 +357,8 @@ def step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, l
                                           weights),
                **({"dynamic_sampling/rounds": rounds, "dynamic_sampling/groups": len(batch.prompts) //
                    cfg.num_generations} if rounds is not None else {})}
-    completions = {"prompt": batch.prompts, "completion": batch.completions, "advantage": advantages.tolist(),
+    completions = {"prompt": batch.prompts, "completion": batch.completions,
+                   "advantage": (advantages if advantages.dim() == 1 else advantages[:, 0]).tolist(),  # token 0's
                    **{f"rewards/{f.__name__}": batch.rewards_per_func[:, i].tolist()
                       for i, f in enumerate(REWARD_FUNCS)}}
     return metrics, completions
@@ -438,8 +445,11 @@ def dynamic_sampling(batch: Rollout, sample_more, group_size: int, num_groups: i
 # ---------------------------------------------------------------------------------------------
 # Training loop
 # ---------------------------------------------------------------------------------------------
-def main(cfg: Config, policy_loss=grpo_loss):  # grpo_entropy.py passes its own loss
-    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset})  # settings, output folder, torchrun
+def main(cfg: Config, policy_loss=grpo_loss, step_advantages=None, inputs: dict | None = None):
+    """grpo_entropy.py passes its own policy_loss; grpo_process.py its step_advantages (step 3 from each step's
+    reward) and, in inputs, the process reward model the run reads."""
+    run = harness.Run(cfg, inputs={"--model": cfg.model, "--dataset": cfg.dataset,  # settings, output folder, torchrun
+                                   **(inputs or {})})
     G = cfg.num_generations
     num_prompts = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G  # B
 
@@ -465,7 +475,8 @@ def main(cfg: Config, policy_loss=grpo_loss):  # grpo_entropy.py passes its own 
 
     for step in run.steps([model], [optimizer], [scheduler], evaluate):
         # 1. + 2. Rollout and rewards (sample_and_score): G samples of each of B prompts, groups contiguous.
-        batch = sample_and_score(model, tokenizer, draw_prompts(), cfg)
+        step_data = draw_prompts()
+        batch = sample_and_score(model, tokenizer, step_data, cfg)
         if cfg.dynamic_sampling:  # DAPO: keep the groups whose rewards differ, sampling more prompts to fill B
             batch, rounds = dynamic_sampling(batch, lambda: sample_and_score(model, tokenizer, draw_prompts(), cfg),
                                              G, num_prompts, cfg.max_sampling_rounds, tokenizer.pad_token_id)
@@ -475,7 +486,11 @@ def main(cfg: Config, policy_loss=grpo_loss):  # grpo_entropy.py passes its own 
         rewards = batch.rewards_per_func.sum(dim=1)  # [B*G]
 
         # 3. Group-relative advantages replace the critic.
-        advantages = advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards).to(run.device)  # [B*G]
+        if step_advantages is None:
+            advantages, process_log = advantages_of(rewards, G, cfg.advantage_estimator, cfg.scale_rewards), {}  # [B*G]
+        else:  # grpo_process.py: each token's own [B*G, T], from the rewards of the steps at or after it
+            advantages, process_log = step_advantages(batch, step_data, tokenizer)
+        advantages = advantages.to(run.device)
         # The tokens that carry loss [B*G, T]: every real one, or (DAPO) none of a completion that was cut off.
         loss_mask = (drop_truncated(batch.completion_ids, batch.completion_mask, tokenizer.eos_token_id)
                      if cfg.mask_truncated_completions else batch.completion_mask)
@@ -520,8 +535,9 @@ def main(cfg: Config, policy_loss=grpo_loss):  # grpo_entropy.py passes its own 
             optimizer.step()
             scheduler.step()
 
-        run.end_step(*step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss, grad_norm,
-                               scheduler, cfg, rounds if cfg.dynamic_sampling else None))  # when due: evaluate, save
+        metrics, completions = step_log(batch, advantages, logprobs, old_logprobs, ref_logprobs, entropy, loss,
+                                        grad_norm, scheduler, cfg, rounds if cfg.dynamic_sampling else None)
+        run.end_step({**metrics, **process_log}, completions)  # when due: evaluate, save
 
     run.finish(tokenizer, {"": model}, {"reward": ["reward", "rewards/correctness_reward", "rewards/format_reward"],
                                         "held-out accuracy": ["eval/accuracy_greedy", "eval/accuracy_sampled"],
