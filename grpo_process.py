@@ -119,17 +119,12 @@ class StepJudge:
                                                                       rewards)
 
     def prm_rewards(self, batch: grpo.Rollout, ends: list[list[int]]) -> list[list[float]]:
-        """sigmoid of the PRM's logit at each step's end; the PRM reads the policy's own token ids."""
+        """The PRM's p_j at each step's end (prm.step_probs), reading the policy's own token ids."""
         input_ids = torch.cat([batch.prompt_ids, batch.completion_ids], 1)
         attention_mask = torch.cat([batch.prompt_mask, batch.completion_mask], 1)
-        P, S = batch.prompt_ids.shape[1], max(len(e) for e in ends)
-        positions = torch.tensor([[P + k for k in e] + [P] * (S - len(e)) for e in ends])  # [N, S]
-        device = input_ids.device
-        self.model.to(device)
-        probs = torch.cat([torch.sigmoid(prm.step_logits(self.model, input_ids[rows], attention_mask[rows],
-                                                         positions[rows].to(device)))
-                           for rows in torch.arange(len(input_ids)).split(self.cfg.per_device_train_batch_size)])
-        return [probs[i, : len(e)].tolist() for i, e in enumerate(ends)]
+        self.model.to(input_ids.device)
+        return prm.step_probs(self.model, input_ids, attention_mask, batch.completion_ids.shape[1], ends,
+                              self.cfg.per_device_train_batch_size)
 
     @staticmethod
     def metrics(questions, completions, answers, exact, rewards) -> dict:

@@ -40,7 +40,8 @@ import torch
 
 import common
 from common import setting
-from lib import harness, rollout
+import prm
+from lib import harness, rollout, steps
 
 
 @dataclass
@@ -68,6 +69,11 @@ class Config(harness.PolicyGradientConfig):
     """the adaptive controller's horizon: larger = slower changes of kl_coef"""
     clip_score: float = setting(5.0, lambda v: v > 0, "positive")
     """the reward model's score is clamped to [-clip_score, clip_score] (DeepSpeed-Chat's clip_reward_value)"""
+    process_rewards: bool = False
+    """a reward at each step's end (lib/steps.py: a line of the worked answer, then the answer), not one at the last
+    token: with --reward_model rule each step's exact label, +1 when every line so far is right (the answer step:
+    the checker's) else -1; with a PRM folder (prm.py's), 2 p_j - 1 on the same scale (process_scores). The critic
+    then has a reward to learn between the last token's"""
     cliprange: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the actor's ratio pi/pi_old"""
     cliprange_value: float = setting(0.2, lambda v: v > 0, "positive")
@@ -97,6 +103,9 @@ class Config(harness.PolicyGradientConfig):
 
     def check_together(self):
         super().check_together()  # the sampler's correction (harness.PolicyGradientConfig)
+        if self.process_rewards and self.reward_model == "out/rm":
+            common.fail("--process_rewards reads a score at each step's end: pass --reward_model rule (the exact "
+                        "labels) or a process reward model folder (python prm.py; --reward_model out/prm)")
         if self.per_device_train_batch_size % self.num_mini_batches:
             common.fail(f"--per_device_train_batch_size ({self.per_device_train_batch_size}) must be a multiple of "
                         f"--num_mini_batches ({self.num_mini_batches})")
@@ -165,13 +174,36 @@ def compute_rewards(score, logprobs, ref_logprobs, mask, kl_coef, clip_score):
     """Per-token rewards [B, T] (note 000, DeepSpeed-Chat's compute_rewards), 0 on padding; score [B], the rest [B, T]:
         r_t = -kl_coef * (logp_t - ref_logp_t)                     on every real token
         r_T += clamp(score, -clip_score, clip_score)               on each row's last real token
-    The KL term's sign: docs/foundations.md#1-generation-as-reinforcement-learning-notes-000-003"""
+    With --process_rewards, score is [B, T], each step's reward on the token that ends it (process_scores), added
+    where it stands. The KL term's sign: docs/foundations.md#1-generation-as-reinforcement-learning-notes-000-003"""
     mask = mask.bool()
     rewards = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)  # [B, T]
+    if score.dim() == 2:  # process rewards, on their steps' last tokens
+        return rewards + torch.where(mask, torch.clamp(score, -clip_score, clip_score), 0.0)
     last = (mask.sum(dim=1) - 1).clamp(min=0)  # [B] index of the last real token (right padding)
     rows = torch.arange(len(last), device=rewards.device)
     rewards[rows, last] += torch.clamp(score, -clip_score, clip_score).to(rewards.dtype)
     return rewards
+
+
+def process_scores(reward_model, tokenizer, questions, completions, answers, input_ids, attention_mask, mask,
+                   batch_size: int) -> torch.Tensor:
+    """--process_rewards: each step's reward on the token that ends it (lib/steps.py's steps and end_tokens), 0 on
+    the other tokens, [B, T]: without a reward model (--reward_model rule) the exact label y_j as 2 y_j - 1 (+1: every
+    line so far is the solver's; the answer step's is the checker's outcome, rule_scores' score); with a process
+    reward model its 2 p_j - 1 (prm.step_probs). input_ids, attention_mask [B, P+T]; mask [B, T]."""
+    B, T = mask.shape
+    ends = steps.end_tokens(tokenizer, input_ids[:, -T:], mask,
+                            [[end for _, end in steps.steps(c)] for c in completions])  # [B][S_i]
+    if reward_model is None:
+        labels = [steps.exact_labels(q, c, a) for q, c, a in zip(questions, completions, answers)]
+    else:
+        labels = prm.step_probs(reward_model, input_ids, attention_mask, T, ends, batch_size)
+    scores = torch.zeros(B, T)
+    for i, (row_labels, row_ends) in enumerate(zip(labels, ends)):
+        for y, k in zip(row_labels, row_ends):
+            scores[i, k] += 2 * y - 1
+    return scores.to(mask.device)
 
 
 def gae(values, rewards, mask, gamma, lam):
@@ -297,6 +329,7 @@ def step_metrics(exp, answers, updates, kl_coef: float, scheduler) -> dict:
         "score": score.mean().item(),
         **({"accuracy": sum(float(common.is_correct(c, a)) for c, a in zip(completions, answers)) / len(completions)}
            if answers is not None else {}),
+        **(steps.slip_errors(exp.prompts, completions, answers) if answers is not None else {}),  # the slip's line
         # k1 summed over a completion's tokens, mean over completions (TRL's objective/kl); not grpo.py's
         # kl, a k3 mean per token: hence another name
         "kl_sum": torch.where(mask.bool(), old_logprobs - ref_logprobs, 0.0).sum(dim=1).mean().item(),
@@ -344,7 +377,7 @@ class Experience:
     input_ids: torch.Tensor  # [B, P+T] left-padded prompt | right-padded completion
     attention_mask: torch.Tensor  # [B, P+T]
     mask: torch.Tensor  # [B, T] 1 on each completion's real tokens
-    score: torch.Tensor  # [B] the reward model's score (or the checker's)
+    score: torch.Tensor  # [B] the reward model's score (or the checker's); --process_rewards: the sum of its steps'
     old_logprobs: torch.Tensor  # [B, T] pi_old, the actor that sampled
     sampler_logprobs: torch.Tensor  # [B, T] the same tokens' log-probs as the sampler computed them
     sampler_weights: torch.Tensor | None  # [B, T] or [B, 1]: --vllm_importance_sampling_correction's w, or None
@@ -381,6 +414,11 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
         score = rollout.inference(reward_scores, reward_model, input_ids, attention_mask,
                                   micro_batches=micro_batches)  # [B]
         common.check_finite_scores(score, f"--reward_model {cfg.reward_model}")
+    step_scores = None  # --process_rewards: [B, T], each step's reward on its last token
+    if cfg.process_rewards:
+        step_scores = process_scores(reward_model, tokenizer, questions, completions, answers, input_ids,
+                                     attention_mask, mask, cfg.per_device_train_batch_size)
+        score = step_scores.sum(dim=1)  # [B], for the logs
     first_pass = None
     if makes_one_update(cfg):  # Speed: the only update's own pass runs now; detached, it is pi_old and V_old
         first_pass = training_pass(actor, critic, input_ids, attention_mask, T, cfg.temperature)
@@ -396,7 +434,8 @@ def make_experience(actor, reference, critic, reward_model, tokenizer, questions
         cfg.vllm_importance_sampling_clip_min) if cfg.vllm_importance_sampling_correction else None)
     with torch.no_grad():
         # 3. Per-token rewards: the KL to the reference, and the clipped score on the last token.
-        rewards = compute_rewards(score, old_logprobs, ref_logprobs, mask, kl_coef, cfg.clip_score)  # [B, T]
+        rewards = compute_rewards(score if step_scores is None else step_scores, old_logprobs, ref_logprobs, mask,
+                                  kl_coef, cfg.clip_score)  # [B, T]
         # 4. GAE: advantages and returns, backwards over the tokens.
         advantages, returns = gae(old_values, rewards, mask, cfg.gamma, cfg.lam)  # [B, T], [B, T]
         if cfg.whiten_advantages:

@@ -90,6 +90,19 @@ def step_logits(model, input_ids, attention_mask, positions: torch.Tensor) -> to
     return model.score(at_ends).squeeze(-1)  # [N, S]
 
 
+@torch.no_grad()
+def step_probs(model, input_ids, attention_mask, num_completion_tokens: int, ends: list[list[int]],
+               batch_size: int) -> list[list[float]]:
+    """The PRM's p_j = sigmoid(logit) at each step's end, for rows laid out as [left-padded prompt | completion]
+    (input_ids, attention_mask [N, P+T]); ends [N]: each row's step ends, token indices into its completion
+    (lib/steps.py's end_tokens). Read batch_size rows at a time. Returns [N] lists of p_j."""
+    P, S = input_ids.shape[1] - num_completion_tokens, max(len(e) for e in ends)
+    positions = torch.tensor([[P + k for k in e] + [P] * (S - len(e)) for e in ends], device=input_ids.device)
+    probs = torch.cat([torch.sigmoid(step_logits(model, input_ids[rows], attention_mask[rows], positions[rows]))
+                       for rows in torch.arange(len(input_ids), device=input_ids.device).split(batch_size)])
+    return [probs[i, : len(e)].tolist() for i, e in enumerate(ends)]
+
+
 def prm_loss(logits, labels, step_mask, num_steps: int | None = None) -> torch.Tensor:
     """Binary cross-entropy of each real step's logit [N, S] against its label (0, 1, or a share for soft
     estimates), summed over the steps where step_mask [N, S] is 1 and divided by num_steps (the step's count
@@ -255,8 +268,12 @@ def main(cfg: Config):
     if cfg.outcome_model:
         outcome_model = reward_model_on(cfg, tokenizer).to(run.device).eval()
 
-    # The policy's answers, split into steps and labelled: training prompts, and held-out ones (exact labels).
+    # The policy's answers, split into steps and labelled: held-out ones (exact labels) and training ones, sampled
+    # in that order before any label is estimated, so that --labels exact and estimated read the same answers.
     policy = common.load_model(cfg.model, trust_remote_code=cfg.trust_remote_code, flag="--model")[0].to(run.device)
+    test_questions = [q for q in test_data["question"] for _ in range(2)]
+    test_answers = [a for a in test_data["answer"] for _ in range(2)]
+    test_completions = sample_answers(policy, tokenizer, test_data["question"], 2, cfg)
     train_prompts = train_data.select(range(min(cfg.policy_prompts, len(train_data))))
     questions = [q for q in train_prompts["question"] for _ in range(cfg.samples_per_prompt)]
     answers = [a for a in train_prompts["answer"] for _ in range(cfg.samples_per_prompt)]
@@ -267,9 +284,6 @@ def main(cfg: Config):
     if cfg.labels == "estimated":
         labels = estimated_labels(policy, tokenizer, questions, completions, answers, cfg)
         label_agreement = agreement(labels, exact, kinds)  # logged with each evaluation
-    test_questions = [q for q in test_data["question"] for _ in range(2)]
-    test_answers = [a for a in test_data["answer"] for _ in range(2)]
-    test_completions = sample_answers(policy, tokenizer, test_data["question"], 2, cfg)
     del policy
     test_labels = [steps.exact_labels(q, c, a) for q, c, a in zip(test_questions, test_completions, test_answers)]
     test_kinds = [steps.step_kinds(q, c) for q, c in zip(test_questions, test_completions)]
