@@ -45,8 +45,9 @@ import torch
 from tqdm import tqdm
 
 import common
+import prm
 import reward_model
-from lib import distributed, harness, rollout
+from lib import distributed, harness, rollout, steps
 from lib.checks import check_settings
 from common import setting
 
@@ -54,7 +55,11 @@ from common import setting
 @dataclass
 class Config:
     judge: str = "rule"
-    """what picks the best of N: 'rule' (the checker) or a reward model folder written by reward_model.py"""
+    """what picks the best of N: 'rule' (the checker), a reward model folder written by reward_model.py, or a
+    process reward model folder written by prm.py (its score of an answer: --prm_aggregate of its steps' p_j)"""
+    prm_aggregate: str = setting("min", lambda v: v in ("min", "product"), "min or product")
+    """with a prm.py --judge: an answer's score is the minimum of its steps' p_j (Math-Shepherd) or their product
+    (Lightman et al. 2023)"""
     num_samples: int = setting(64, lambda v: v >= 1, "at least 1")
     """n: answers sampled per problem; pass@k and best-of-N are read for k, N = 1, 2, 4, ... up to n"""
     # The settings a training run has too (lib/harness.py declares them, with their checks): the run's help
@@ -75,6 +80,10 @@ class Config:
     """where eval.json and best_of_n.png go"""
     overwrite_output_dir: bool = harness.run_setting("overwrite_output_dir")
     trust_remote_code: bool = harness.run_setting("trust_remote_code")
+
+    def check_together(self):
+        if self.prm_aggregate != "min" and not prm.is_prm(self.judge):
+            common.fail("--prm_aggregate reads a process reward model's steps: pass a prm.py folder as --judge")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +185,13 @@ def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answer
                                           for _ in range(cfg.num_samples)])])
         if judge is None:
             scores = right
+        elif prm.is_prm(cfg.judge):  # a PRM: its p_j at each step's end, in the policy's own ids (same tokenizer)
+            ends = steps.end_tokens(tokenizer, completion_ids, completion_mask,
+                                    [[end for _, end in steps.steps(text)] for text in texts])
+            probs = prm.step_probs(judge, torch.cat([prompt_ids, completion_ids], 1),
+                                   torch.cat([prompt_mask, completion_mask], 1), completion_ids.shape[1], ends,
+                                   cfg.per_device_eval_batch_size)
+            scores = torch.tensor([min(p) if cfg.prm_aggregate == "min" else math.prod(p) for p in probs])
         else:
             ids, mask = reward_model.judge_rows(  # the policy's rows, or the same text in the judge's own ids
                 judge_tokenizer, tokenizer, repeated, texts, torch.cat([prompt_ids, completion_ids], 1),
@@ -234,6 +250,8 @@ def plot(results: dict, path: str, title: str):
     kl = [row["kl"] for row in rows]
     right.plot(kl, [100 * results["pass@k"][N] for N in results["best_of_n"]], linestyle="--", color="tab:gray",
                label="judged by the checker (= pass@N)")
+    right.plot(kl, [100 * results["pass@k"]["1"]] * len(kl), linestyle=":", color="black",
+               label="one of N at random (= pass@1)")
     right.plot(kl, [100 * row["gold"] for row in rows], marker="o", color="tab:green",
                label=f"judged by {'the checker' if results['judge'] == 'rule' else 'the judge'}: gold")
     right.set(xlabel="KL(best-of-N || policy), nats", ylabel="accuracy of the kept answer (%)",
@@ -281,6 +299,9 @@ def main(cfg: Config):
         judge.to(device).eval()
         if common.same_tokenizer(judge_tokenizer, tokenizer):  # Speed: it reads the policy's ids as they are
             judge_tokenizer = None
+        elif prm.is_prm(cfg.judge):
+            common.fail(f"--judge {cfg.judge} is a process reward model on a tokenizer of its own: it reads the "
+                        f"policy's tokens, so train it from this policy (python prm.py --model {cfg.model})")
     model.to(device).eval()
 
     gold, proxy, votes = sample_and_judge(model, tokenizer, judge, judge_tokenizer, list(test["question"]),

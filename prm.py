@@ -30,6 +30,8 @@ of the same answers beside it (AUROC: its score has no threshold of its own).
 Left out, and why: PRM800K-style human labels (none offline); a PRM that generates its verdict (a generative
 verifier); several processes (the labelling and training of the tiny model take a few minutes on one CPU).
 """
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +55,7 @@ class Config(harness.RunConfig):
     """with --labels estimated: 'hard' y = 1 when any continuation ends right (Math-Shepherd's HE), 'soft' the
     share that do (SE)"""
     completions_per_step: int = setting(4, lambda v: v >= 1, "at least 1")
-    """with --labels estimated: continuations sampled from each step's end (Math-Shepherd's N, 8 in the paper)"""
+    """with --labels estimated: continuations sampled from each step's end (Math-Shepherd's N)"""
     policy_prompts: int = setting(1000, lambda v: v >= 1, "at least 1")
     """training prompts on which the --model policy samples the answers to label"""
     samples_per_prompt: int = setting(4, lambda v: v >= 1, "at least 1")
@@ -101,6 +103,15 @@ def step_probs(model, input_ids, attention_mask, num_completion_tokens: int, end
     probs = torch.cat([torch.sigmoid(step_logits(model, input_ids[rows], attention_mask[rows], positions[rows]))
                        for rows in torch.arange(len(input_ids), device=input_ids.device).split(batch_size)])
     return [probs[i, : len(e)].tolist() for i, e in enumerate(ends)]
+
+
+def is_prm(folder: str) -> bool:
+    """Whether a model folder was written by prm.py (its run.json says so): a judge read at each step's end."""
+    try:
+        with open(os.path.join(folder, "run.json"), encoding="utf-8") as f:
+            return json.load(f).get("script") == "prm.py"
+    except (OSError, ValueError):
+        return False
 
 
 def prm_loss(logits, labels, step_mask, num_steps: int | None = None) -> torch.Tensor:

@@ -10,4 +10,6 @@ call leads there.
                      where a non-finite score appears
     synchronizer.py  async_rl.py's two processes, the explorer and the trainer: which weights sample
                      each batch, and the batches, weights and scores sent between them
+    steps.py         a worked answer's steps (its lines, then the answer), their exact labels on the
+                     shipped arithmetic, and the token that ends each: what process rewards read
 """

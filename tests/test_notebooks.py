@@ -126,4 +126,4 @@ def run_notebooks(paths: list[str], out: str, monkeypatch, one_kernel: bool = Fa
 def test_there_is_a_notebook_per_stage():
     names = [os.path.basename(path) for path in NOTEBOOKS]
     assert names == ["01_sft.ipynb", "02_reward_model.ipynb", "03_ppo.ipynb", "04_grpo.ipynb", "05_mix.ipynb",
-                     "06_compare.ipynb", "07_dpo.ipynb", "08_best_of_n.ipynb", "09_agent.ipynb"]
+                     "06_compare.ipynb", "07_dpo.ipynb", "08_best_of_n.ipynb", "09_agent.ipynb", "10_process.ipynb"]
