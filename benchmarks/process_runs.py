@@ -37,6 +37,7 @@ JOBS = {  # name: (script and settings, the folders it needs), in the order they
     "bon_prm": ("best_of_n.py --model {sft} --judge {prm} --num_samples 16", ["prm"]),
     "rm": ("reward_model.py --model {sft}", ["sft"]),
     "bon_rm": ("best_of_n.py --model {sft} --judge {rm} --num_samples 16", ["rm"]),
+    "judges": ("benchmarks/process_runs.py --judges {sft} {prm} {rm}", ["prm", "rm"]),
 }
 RL_ARMS = [name for name in JOBS if name.startswith(("grpo", "ppo"))]
 
@@ -128,7 +129,9 @@ def read_json(path: str) -> dict:
 
 
 def report(seeds: list[int]) -> dict:
-    data = {"seeds": seeds, "registered": REGISTERED, "arms": {}, "prm": {}, "prm_estimated": {}, "best_of_n": {}}
+    data = {"seeds": seeds, "registered": REGISTERED, "arms": {}, "prm": {}, "prm_estimated": {}, "best_of_n": {},
+            "judges": {str(s): read_json(os.path.join(folder("judges", s), "eval.json")) for s in seeds
+                       if finished(folder("judges", s))}}
     for arm in RL_ARMS:
         data["arms"][arm] = {str(s): read_run(folder(arm, s)) for s in seeds if finished(folder(arm, s))}
     for name in ("prm", "prm_estimated"):
@@ -144,6 +147,89 @@ def report(seeds: list[int]) -> dict:
         json.dump(data, f, indent=1)
     plot(data)
     return data
+
+
+ARM_NAMES = {"grpo_outcome": "GRPO, outcome twin (exact judge)", "grpo_process": "GRPO, process (exact labels)",
+             "grpo_outcome_prm": "GRPO, outcome twin (the PRM's answer step)",
+             "grpo_process_prm": "GRPO, process (the PRM)", "ppo_outcome": "PPO, the checker's reward at the end",
+             "ppo_process": "PPO, step rewards (exact labels)", "ppo_process_prm": "PPO, step rewards (the PRM)"}
+KINDS = ("no carry", "carry", "no borrow", "borrow", "sign", "all")
+
+
+def late_mean(run: dict, key: str) -> float:
+    """A training statistic's mean over steps 31-40, in points."""
+    return 100 * mean(run["series"][key][30:40])
+
+
+def rl_table(data: dict) -> str:
+    """Each arm: held-out sampled accuracy at step 0 and step 40, and the slip's error rate over steps 31-40, per
+    seed, and the steps per completion (grpo_process.py's arms)."""
+    seeds = [str(s) for s in data["seeds"]]
+    lines = ["| arm | sampled accuracy, step 0 -> 40, per seed | mean at 40 | the slip's line wrong, steps 31-40 "
+             "(%), per seed |", "| --- | --- | --- | --- |"]
+    for arm, name in ARM_NAMES.items():
+        runs = data["arms"].get(arm, {})
+        if not all(s in runs for s in seeds):
+            continue
+        finals = [runs[s]["evals"][-1]["sampled"] for s in seeds]
+        lines.append(f"| {name} | " + ", ".join(f"{runs[s]['evals'][0]['sampled']:.1f} -> "
+                                                 f"{runs[s]['evals'][-1]['sampled']:.1f}" for s in seeds)
+                     + f" | {mean(finals):.1f} | " + ", ".join(f"{late_mean(runs[s], 'steps/carry_slip'):.1f}"
+                                                              for s in seeds) + " |")
+    return "\n".join(lines)
+
+
+def prm_table(data: dict) -> str:
+    """The PRMs on their held-out answers (exact labels), per seed: step accuracy (all, carry, borrow), answer AUROC
+    (min, product); and the judges' AUROC on one more set of answers (the PRM's and the reward model's)."""
+    seeds = [str(s) for s in data["seeds"] if str(s) in data["prm"]]
+    row = lambda r, key: ", ".join(f"{100 * r[s][key]:.1f}" for s in seeds if s in r)  # noqa: E731
+    lines = ["| held out, per seed (%) | PRM on exact labels | PRM on estimated labels |", "| --- | --- | --- |"]
+    for key, name in (("step_accuracy", "step accuracy"), ("step_accuracy/carry", "step accuracy, carry steps"),
+                      ("step_accuracy/borrow", "step accuracy, borrow steps"),
+                      ("step_accuracy/answer", "step accuracy, answer steps"),
+                      ("answer_auroc/min", "AUROC of the answer's score, min over steps"),
+                      ("answer_auroc/product", "AUROC, product over steps")):
+        lines.append(f"| {name} | {row(data['prm'], key)} | {row(data['prm_estimated'], key)} |")
+    if data.get("judges"):
+        judged = [s for s in seeds if s in data["judges"]]
+        lines.append("| AUROC on the SFT model's answers: the PRM (min) / the reward model | "
+                     + ", ".join(f"{100 * data['judges'][s]['auroc/prm_min']:.1f} / "
+                                 f"{100 * data['judges'][s]['auroc/orm']:.1f}" for s in judged) + " | |")
+    return "\n".join(lines)
+
+
+def agreement_table(data: dict) -> str:
+    """Math-Shepherd's hard estimate against the exact label, over the training answers' line steps, by kind: the
+    share that agree and the two errors, pooled over the seeds (steps counted)."""
+    runs = list(data["prm_estimated"].values())
+    lines = ["| kind of step | line steps | estimate agrees | a broken prefix called right | a right prefix called "
+             "wrong |", "| --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        n = sum(r.get(f"label_steps/{kind}", 0) for r in runs)
+        if not n:
+            continue
+        share = lambda name: sum(r.get(f"label_{name}/{kind}", 0) * r.get(f"label_steps/{kind}", 0)  # noqa: E731
+                                 for r in runs) / n
+        lines.append(f"| {kind} | {n:,.0f} | {100 * share('agreement'):.1f}% | "
+                     f"{100 * share('wrong_called_right'):.1f}% | {100 * share('right_called_wrong'):.1f}% |")
+    return "\n".join(lines)
+
+
+def selection_table(data: dict) -> str:
+    """Best-of-16 on the SFT model's 16 samples of each of the 500 held-out problems, per seed: the answer kept
+    right (%) by each way of keeping one."""
+    bon = {s: b for s, b in data["best_of_n"].items() if "prm" in b and "rm" in b}
+    lines = ["| one answer kept of 16 | " + " | ".join(f"seed {s}" for s in bon) + " | mean |",
+             "| --- |" + " --- |" * (len(bon) + 1)]
+    for name, value in (("at random (pass@1)", lambda b: b["prm"]["pass@k"]["1"]),
+                        ("majority vote (maj@16)", lambda b: b["prm"]["maj@k"]["16"]),
+                        ("best of 16 by the reward model", lambda b: b["rm"]["best_of_n"]["16"]["gold"]),
+                        ("best of 16 by the PRM (min)", lambda b: b["prm"]["best_of_n"]["16"]["gold"]),
+                        ("the checker picks (pass@16)", lambda b: b["prm"]["pass@k"]["16"])):
+        values = [100 * value(b) for b in bon.values()]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {mean(values):.1f} |")
+    return "\n".join(lines)
 
 
 def mean(values):
@@ -208,14 +294,65 @@ def plot(data: dict):
     fig.savefig(os.path.join(ROOT, "docs", "process.png"), dpi=80)
 
 
+def judges(sft: str, prm_folder: str, rm_folder: str, seed: int, output_dir: str):
+    """The PRM (the minimum and the product of its steps' p_j) and the outcome reward model (its score at the last
+    token) as classifiers of right and wrong answers, on the same answers: the SFT policy's 2 samples of each
+    held-out problem, labelled by the checker. Writes output_dir/eval.json (AUROC of each; the step accuracy)."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import common
+    import prm
+    import reward_model
+    from lib import rollout, steps
+
+    torch.manual_seed(seed)
+    policy, tokenizer = common.load_model(os.path.join(ROOT, sft))
+    judge = common.load_model(os.path.join(ROOT, prm_folder), scalar_head=True, reward_model=True)[0].eval()
+    orm = common.load_model(os.path.join(ROOT, rm_folder), scalar_head=True, reward_model=True)[0].eval()
+    test = common.load_split(os.path.join(ROOT, "data/arithmetic"), "test")
+    questions = [q for q in test["question"] for _ in range(2)]
+    answers = [a for a in test["answer"] for _ in range(2)]
+    prm_min, prm_product, orm_scores, outcomes = [], [], [], []
+    with torch.no_grad():
+        for start in range(0, len(questions), 256):
+            qs, golds = questions[start: start + 256], answers[start: start + 256]
+            prompts = [common.make_prompt(tokenizer, q) for q in qs]
+            prompt_ids, prompt_mask, completion_ids, completion_mask = rollout.generate(policy, tokenizer, prompts, 64)
+            texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+            input_ids = torch.cat([prompt_ids, completion_ids], 1)
+            attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+            ends = steps.end_tokens(tokenizer, completion_ids, completion_mask,
+                                    [[end for _, end in steps.steps(t)] for t in texts])
+            probs = prm.step_probs(judge, input_ids, attention_mask, completion_ids.shape[1], ends, 256)
+            prm_min += [min(p) for p in probs]
+            prm_product += [float(torch.tensor(p).prod()) for p in probs]
+            orm_scores += reward_model.sequence_scores(orm, input_ids, attention_mask).tolist()
+            outcomes += [steps.outcome_label(t, g) for t, g in zip(texts, golds)]
+    result = {"auroc/prm_min": prm.auroc(prm_min, outcomes), "auroc/prm_product": prm.auroc(prm_product, outcomes),
+              "auroc/orm": prm.auroc(orm_scores, outcomes), "right_answers": sum(outcomes) / len(outcomes),
+              "n": len(outcomes)}
+    os.makedirs(os.path.join(ROOT, output_dir), exist_ok=True)
+    with open(os.path.join(ROOT, output_dir, "eval.json"), "w") as f:
+        json.dump(result, f)
+    print(result)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--jobs", nargs="+", default=list(JOBS), choices=list(JOBS))
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--report", action="store_true", help="write docs/process_runs.json and docs/process.png")
+    parser.add_argument("--judges", nargs=3, metavar=("SFT", "PRM", "RM"),
+                        help="the PRM and the reward model as judges of the same held-out answers (a job)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_dir", default="")
+    parser.add_argument("--overwrite_output_dir", default="true")
     args = parser.parse_args()
-    if args.report:
+    if args.judges:
+        judges(*args.judges[:3], seed=args.seed, output_dir=args.output_dir)
+    elif args.report:
         report(args.seeds)
     else:
         run_all(args.seeds, args.jobs, args.workers)

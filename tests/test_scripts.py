@@ -85,7 +85,7 @@ def test_help_from_the_command_line_shows_the_docstring_and_every_field():
 
 
 @pytest.mark.parametrize("script", ["sft", "grpo", "reward_model", "ppo", "mix", "dpo", "best_of_n", "rft", "agent",
-                                    "distill"])
+                                    "distill", "prm", "grpo_process"])
 def test_help_documents_every_field(script, capsys):
     config = __import__(script).Config
     with pytest.raises(SystemExit):
