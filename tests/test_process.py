@@ -184,6 +184,35 @@ def test_step_logits_read_the_head_at_the_given_positions():
     assert_close(logits[0], torch.stack([prefix[0], whole[0]]), terms=4 * 128)
 
 
+def test_a_few_steps_of_the_prm_loss_learn_which_line_slipped():
+    """The PRM's loss on a handful of answers, each step labelled: a few AdamW steps fit the labels (the loss
+    falls, and every step is on the right side of 1/2), so the head reads each step's end, not the answer's."""
+    from conftest import tiny_reward_model
+
+    tokenizer = common.build_tokenizer()
+    model = tiny_reward_model(tokenizer)
+    questions = [Q, Q, "What is 72 - 18?", "What is 72 - 18?"]
+    answers = [RIGHT, CARRY_SLIP, "<think>12-8=4\n7-1-1=5</think><answer>54</answer>",
+               "<think>12-8=4\n7-1=6</think><answer>64</answer>"]
+    golds = [GOLD, GOLD, "#### 54", "#### 54"]
+    labels = [steps.exact_labels(q, a, g) for q, a, g in zip(questions, answers, golds)]
+    assert labels == [[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    input_ids, attention_mask, positions, targets, step_mask = prm.collate(
+        prm.encode(tokenizer, questions, answers, labels, ""), tokenizer.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(60):
+        loss = prm.prm_loss(prm.step_logits(model, input_ids, attention_mask, positions), targets, step_mask)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 10, losses
+    with torch.no_grad():
+        probs = torch.sigmoid(prm.step_logits(model, input_ids, attention_mask, positions))
+    assert (((probs > 0.5) == (targets > 0.5)) | ~step_mask.bool()).all(), probs
+
+
 # --- the scripts ----------------------------------------------------------------------------
 PRM_RUN = ["--policy_prompts", "16", "--samples_per_prompt", "2", "--per_device_train_batch_size", "8",
            "--num_eval_examples", "8", "--eval_steps", "4", "--save_steps", "2", "--max_steps", "4",
