@@ -3,7 +3,8 @@
 The checkpoints are made by the scripts themselves (`sft.main`, `reward_model.main`) with short
 configs, the first time a notebook asks for them, into out/notebooks/ (or $RLHF_NOTEBOOKS_OUT),
 and reused after that: the committed outputs of notebooks 01 to 08 come from one SFT checkpoint and
-one reward model (notebook 09 adds its own, on data/tool_demos). The same config, seed and machine
+one reward model (notebook 09 adds its own, on data/tool_demos; notebook 10's come from SFT_CONFIG's run
+on another machine, which samples other answers). The same config, seed and machine
 give the same checkpoint; on another machine the float order differs and SFT amplifies it, so a
 notebook run elsewhere prints other numbers than its committed outputs.
 """

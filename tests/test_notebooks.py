@@ -2,8 +2,8 @@
 
 The notebooks are executed in memory, so their committed outputs are never rewritten. The
 checkpoints they train (notebooks/helpers.py) go to a temporary folder, which starts with the
-suite's SFT policy and reward model (the same runs); the notebooks reuse them. Notebooks 01 to 08 run in
-order in one test, as a reader runs them (in one kernel, for speed), and notebook 09, which trains its own
+suite's SFT policy and reward model (the same runs); the notebooks reuse them. Notebooks 01 to 08 and 10 run
+in order in one test, as a reader runs them (in one kernel, for speed), and notebook 09, which trains its own
 start (here a shorter SFT run than the notebook's: the cells are what is tested), in another, so the two
 workers of `-n 2` can run them side by side.
 """
@@ -59,7 +59,7 @@ AGENT = os.path.join(ROOT, "notebooks", "09_agent.ipynb")  # trains its own star
 
 
 def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
-    """Notebooks 01 to 08 in order, as a reader runs them (each may reuse the checkpoints of those before). Speed:
+    """Notebooks 01 to 08 and 10 in order, as a reader runs them (each may reuse the checkpoints of those before). Speed:
     in one kernel, every name cleared between notebooks (%reset): torch and transformers imported once, not eight
     times; a notebook that uses a name it does not define itself still fails."""
     run_notebooks([path for path in NOTEBOOKS if path != AGENT], notebook_out, monkeypatch, one_kernel=True)
