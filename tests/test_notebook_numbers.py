@@ -227,6 +227,8 @@ QUOTES = [
     Quote("09_agent", "With `policy_mask` the gradient is exactly",
           r"the gradient is exactly (\d) at every calculator position", 15,
           r"with policy_mask \(agent\.py\).*\n  calculator positions: \d+, with a nonzero gradient: (\d+)"),
+    Quote("10_process", "The first line is right", r"which ends at character (\d+) of the answer", 3,
+          r"'4\+8=12'\s+ends at character\s+(\d+)"),
     Quote("08_best_of_n", "pass@k by hand", r"For k = 2: 1 − 10/28 = ([\d.]+)\.", 3, r"k=2: formula ([\d.]+)"),
     Quote("08_best_of_n", "pass@1 is c/n", r"pass@1 is c/n = ([\d.]+),", 3, r"k=1: formula ([\d.]+)",
           lambda q, p: float(q[0]) == float(p[0])),
