@@ -7,11 +7,12 @@ the group's step rewards is normalised over all of the group's step rewards, and
 of the normalised rewards of the steps that end at or after it:
 
     R            = { r_i^(j) : every step j of every completion i of the group }
-    r~_i^(j)     = (r_i^(j) - mean(R)) / std(R)
+    r~_i^(j)     = (r_i^(j) - mean(R)) / (std(R) + 1e-4)
     A_i,t        = sum over the steps j of completion i with end(j) >= t of r~_i^(j)
 
-So a token before a wrong step carries that step's low reward, and one after it does not: the credit for a slip
-lands on the tokens that led to it, where an outcome reward spreads it over the whole answer.
+So the advantage changes inside an answer at each step's end: a token carries the credit of every step from its own
+to the last (a right line before a slip carries the slip's blame too), where an outcome reward gives the whole
+answer one number.
 
 A step's reward r_i^(j) comes from one of two judges:
 
@@ -21,7 +22,10 @@ A step's reward r_i^(j) comes from one of two judges:
 
 --process_supervision false keeps the same judge and scores the answer step alone, the outcome twin: each
 completion's reward is its last step's, and every token gets its group-normalised value, grpo.py's step 3. The
-two runs differ in the density of the signal only. Everything else is grpo.py's: its settings, its loop
+twins differ in the density of the signal and in what comes with it: the process advantage's size grows with the
+number of steps, and the normalisation pools steps, not answers (docs/process.md). The twin's reward is the
+outcome label (1 or 0), not grpo.py's correctness plus format, whose metrics (reward, rewards/*) are still logged
+for comparison; steps/reward is the reward trained on. Everything else is grpo.py's: its settings, its loop
 (grpo.main, given process_advantages), its loss (grpo_loss, with a token's own advantage), its metrics; plus the
 step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry is wrong).
 

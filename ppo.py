@@ -103,9 +103,9 @@ class Config(harness.PolicyGradientConfig):
 
     def check_together(self):
         super().check_together()  # the sampler's correction (harness.PolicyGradientConfig)
-        if self.process_rewards and self.reward_model == "out/rm":
+        if self.process_rewards and self.reward_model != "rule" and not prm.is_prm(self.reward_model):
             common.fail("--process_rewards reads a score at each step's end: pass --reward_model rule (the exact "
-                        "labels) or a process reward model folder (python prm.py; --reward_model out/prm)")
+                        "labels) or a process reward model folder written by prm.py (--reward_model out/prm)")
         if self.per_device_train_batch_size % self.num_mini_batches:
             common.fail(f"--per_device_train_batch_size ({self.per_device_train_batch_size}) must be a multiple of "
                         f"--num_mini_batches ({self.num_mini_batches})")

@@ -5,7 +5,9 @@ model, ORM). A PRM reads a score at every step's last token (lib/steps.py: a ste
 answer, then the answer itself) and learns from a label per step, as a classifier (Lightman et al. 2023,
 "Let's Verify Step by Step"; Math-Shepherd, Wang et al. 2024):
 
-    p_j  = sigmoid(w . h(end of step j))                      the chance that the answer is still right after step j
+    p_j  = sigmoid(w . h(end of step j))                      the chance that step j's label is 1 (exact labels: the
+                                                              lines so far are the solver's; estimated: the policy can
+                                                              still end right from there)
     loss = mean over the labelled steps of  BCE(p_j, y_j)   = -[y_j log p_j + (1 - y_j) log(1 - p_j)]
 
 The answers are the policy's own samples (as reward_model.py's --policy_prompts); their labels come two ways:
@@ -116,8 +118,8 @@ def is_prm(folder: str) -> bool:
 
 def prm_loss(logits, labels, step_mask, num_steps: int | None = None) -> torch.Tensor:
     """Binary cross-entropy of each real step's logit [N, S] against its label (0, 1, or a share for soft
-    estimates), summed over the steps where step_mask [N, S] is 1 and divided by num_steps (the step's count
-    of labelled steps, so that micro-batches add up; their own count by default)."""
+    estimates), summed over the steps where step_mask [N, S] is 1 and divided by num_steps (how many answer steps
+    the whole optimizer step's batch labels, so that micro-batches add up; their own count by default)."""
     losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # [N, S]
     return (losses * step_mask).sum() / (step_mask.sum() if num_steps is None else num_steps)
 
@@ -174,7 +176,10 @@ def estimated_labels(policy, tokenizer, questions, completions, answers, cfg) ->
 
 
 def encode(tokenizer, questions, completions, labels, system_prompt: str) -> list[dict]:
-    """Each answer as the PRM reads it: prompt ids, completion ids (+ EOS), the token ending each step, labels."""
+    """Each answer as the PRM reads it: prompt ids, completion ids (+ EOS), the token ending each step, labels.
+    The text is tokenized again, so a tokenizer that merges characters may give other ids than the policy sampled
+    (the tiny model's one byte per token gives the same), and every answer gets an EOS, also one the policy cut
+    off at --max_completion_length (rare at these lengths: the SFT policy's answers are about 25 tokens of 64)."""
     rows = []
     for q, c, y in zip(questions, completions, labels):
         prompt_ids = tokenizer(common.make_prompt(tokenizer, q, system_prompt), add_special_tokens=False)["input_ids"]

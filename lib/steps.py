@@ -15,7 +15,8 @@ estimates labels by rollouts: prm.py's estimated_labels):
                                  where PPO puts a step's reward
 
 A bad input has a defined label, never an error: a completion with no lines has the answer step alone; a line
-that does not parse is a wrong line (0), and so is each line after it (the prefix is broken). The kinds of step
+whose text is not the solver's (`5+7=12` for `7+5=12`, or no sum at all) is a wrong line (0), and so is each line
+after it (the prefix is broken); text with no tags is all line steps and an empty answer step. The kinds of step
 (step_kinds) say where the careless teacher's slips sit: the first line that receives a carry, the first that
 pays a borrow back, and the answer of a negative result (its minus sign).
 """
@@ -81,7 +82,9 @@ def exact_labels(question: str, completion: str, answer: str) -> list[int]:
 
 def line_labels(question: str, completion: str) -> list[int]:
     """Each line judged alone (1 when it equals the solver's line at its place, whatever came before), without
-    the answer step: the labels Lightman et al. asked people for, where exact_labels asks for the prefix."""
+    the answer step. Not what PRM800K's labellers gave (Lightman et al.: each step rated in the context of those
+    before it, no labels after the first error, which agrees with exact_labels where PRM800K has a label): the
+    contrast notebook 10 can draw, not a training label."""
     truth = true_lines(question) or []
     return [int(j < len(truth) and text == truth[j]) for j, (text, _) in enumerate(steps(completion)[:-1])]
 

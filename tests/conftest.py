@@ -276,10 +276,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def pytest_collection_modifyitems(items):
-    """Notebooks 01 to 08 and 10's test first: the longest, it starts by training the SFT model and the reward model (a few
-    minutes, one worker of -n 2) while the other worker runs the tests that need no trained checkpoint, which come
-    next; then those that need the SFT model, then the reward model (a stable sort: file order within each). So
-    the other worker reaches the checkpoint tests after they are trained, rather than waiting on built_once's lock.
+    """The test of notebooks 01 to 08 and 10 first: the longest, it starts by training the SFT model and the reward
+    model (a few minutes, one worker of -n 2) while the other worker runs the tests that need no trained checkpoint,
+    which come next; then those that need the SFT model, then the reward model (a stable sort: file order within
+    each). So the other worker reaches the checkpoint tests after they are trained, rather than waiting on
+    built_once's lock.
     Within each group the longest tests (LONGEST, a minute or more each on one core) go first, so that the suite
     does not end with one worker on a long test while the other has nothing left."""
     items.sort(key=lambda item: (item.name != "test_every_notebook_runs_in_order",

@@ -59,9 +59,9 @@ AGENT = os.path.join(ROOT, "notebooks", "09_agent.ipynb")  # trains its own star
 
 
 def test_every_notebook_runs_in_order(notebook_out, monkeypatch):
-    """Notebooks 01 to 08 and 10 in order, as a reader runs them (each may reuse the checkpoints of those before). Speed:
-    in one kernel, every name cleared between notebooks (%reset): torch and transformers imported once, not eight
-    times; a notebook that uses a name it does not define itself still fails."""
+    """Notebooks 01 to 08 and 10 in order, as a reader runs them (each may reuse the checkpoints of those before).
+    Speed: in one kernel, every name cleared between notebooks (%reset): torch and transformers imported once, not
+    nine times; a notebook that uses a name it does not define itself still fails."""
     run_notebooks([path for path in NOTEBOOKS if path != AGENT], notebook_out, monkeypatch, one_kernel=True)
 
 

@@ -14,8 +14,8 @@ import ppo
 import prm
 from conftest import assert_same_run, run, run_main, start
 from floats import approx, assert_close
-from lib import steps
-from test_robustness import _lines, _signal_when
+from lib import harness, steps
+from test_robustness import _signal_when
 
 Q, GOLD = "What is 47 + 85?", "7+5=12\n4+8+1=13\n#### 132"
 RIGHT = "<think>7+5=12\n4+8+1=13</think><answer>132</answer>"
@@ -33,13 +33,13 @@ def test_exact_labels_follow_the_prefix_and_the_answer_step_is_the_outcome():
     assert steps.exact_labels(Q, CARRY_SLIP, GOLD) == [1, 0, 0]  # the slip's line, then a wrong answer
     after_slip = "<think>7+5=13\n4+8+1=13</think><answer>132</answer>"  # line 2 is the solver's, line 1 is not
     assert steps.exact_labels(Q, after_slip, GOLD) == [0, 0, 1]  # a broken prefix stays broken; the outcome is right
-    assert steps.line_labels(Q, after_slip) == [0, 1]  # each line alone: Lightman et al.'s labels
+    assert steps.line_labels(Q, after_slip) == [0, 1]  # each line alone, whatever came before it
     unclosed = RIGHT.removesuffix("</answer>")
     assert steps.exact_labels(Q, unclosed, GOLD)[-1] == 0  # the right number, the answer not closed
 
 
 def test_bad_inputs_get_a_defined_label():
-    """A completion with no steps has the answer step alone; a line that does not parse is a wrong line."""
+    """A completion with no steps has the answer step alone; a line that is not the solver's is a wrong line."""
     assert steps.steps("") == [("", 0)] and steps.exact_labels(Q, "", GOLD) == [0]
     assert steps.exact_labels(Q, "132", GOLD) == [0, 0]  # a line '132' that is no column, then no answer
     assert steps.exact_labels(Q, "<think>carry the one</think><answer>132</answer>", GOLD) == [0, 1]
@@ -256,7 +256,7 @@ def test_a_killed_run_resumes_to_the_unbroken_one(sft_checkpoint, prm_folder, tm
     first, broken = str(tmp_path / "first"), str(tmp_path / "broken")
     run_main(script, *args, "--output_dir", first)
     _signal_when(start(script, *args, "--output_dir", broken),
-                 lambda: _lines(os.path.join(broken, "metrics.jsonl")) >= 3)  # past the step-2 checkpoint
+                 lambda: harness.newest_checkpoint(broken) is not None)  # the step-2 checkpoint is written
     result = run_main(script, *args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
     assert_same_run(first, broken)
