@@ -232,6 +232,78 @@ def selection_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+PROCESS_ROWS = [f"L{i}" for i in range(81, 94)]  # benchmarks/lessons.py's rows of the registered claims
+
+
+def claims_table() -> str:
+    """The registered claims as the ledger reads them: per-seed differences, their mean and 95% interval, the
+    verdict and the verdict after Holm's correction over the whole ledger (docs/lessons.md)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import lessons
+
+    rows = lessons.lessons()
+    lessons.holm(rows)
+    lines = ["| row | claim, registered before the runs | per seed | mean [95% interval] | verdict | after Holm |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        if row["id"] in PROCESS_ROWS:
+            interval = f"[{row['low']:+.2f}, {row['high']:+.2f}]" if row["low"] is not None else ""
+            lines.append(f"| [{row['id']}](lessons.md#{row['id'].lower()}) | {row['lesson']} | "
+                         + ", ".join(f"{d:+.2f}" for d in row["diffs"]) + f" | {row['mean']:+.2f} {interval} | "
+                         f"{row['verdict']} | {row.get('holm', '-')} |")
+    return "\n".join(lines)
+
+
+def ledger() -> dict:
+    """{row id: row} of benchmarks/lessons.py, Holm's correction applied over the whole ledger."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import lessons
+
+    rows = lessons.lessons()
+    lessons.holm(rows)
+    return {row["id"]: row for row in rows}
+
+
+def said(row: dict) -> str:
+    """A row's verdict as the page words it, with Holm's where it differs."""
+    holm = " (not after Holm's correction over the ledger)" if row.get("holm") == "not after Holm" else ""
+    return f"{row['verdict']}{holm} ([{row['id']}](lessons.md#{row['id'].lower()}))"
+
+
+def prose(data: dict) -> list[str]:
+    """The page's sentences that carry numbers, each as printed here (tests/test_prose_numbers.py)."""
+    seeds = [str(s) for s in data["seeds"]]
+    rows = ledger()
+    runs = list(data["prm_estimated"].values())
+    n = sum(r["label_steps/all"] for r in runs)
+    share = lambda name: sum(r[f"label_{name}/all"] * r["label_steps/all"] for r in runs) / n  # noqa: E731
+    sentences = [f"pooled over the {len(runs)} seeds' {n:,.0f} line steps, the hard estimate agreed with the exact "
+                 f"label on {100 * share('agreement'):.1f}% of them; it called a right prefix wrong on "
+                 f"{100 * share('right_called_wrong'):.1f}% and a broken one right on "
+                 f"{100 * share('wrong_called_right'):.1f}%"]
+    bon = data["best_of_n"]
+    best_N = {s: max(bon[s]["prm"]["best_of_n"], key=lambda N: bon[s]["prm"]["best_of_n"][N]["gold"]) for s in seeds}
+    sentences.append("best of N by the PRM was right most often at N = " + ", ".join(best_N[s] for s in seeds)
+                     + " (seeds " + ", ".join(seeds) + "), at " + ", ".join(
+                         f"{100 * bon[s]['prm']['best_of_n'][best_N[s]]['gold']:.1f}%" for s in seeds)
+                     + ", against " + ", ".join(f"{100 * bon[s]['prm']['best_of_n']['16']['gold']:.1f}%"
+                                                for s in seeds) + " at N = 16, while the PRM's score of the kept "
+                     "answer rose from " + ", ".join(f"{bon[s]['prm']['best_of_n'][best_N[s]]['proxy']:.3f}"
+                                                     for s in seeds)
+                     + " to " + ", ".join(f"{bon[s]['prm']['best_of_n']['16']['proxy']:.3f}" for s in seeds))
+    hacked = data["arms"]["grpo_process_prm"]
+    sentences.append("the PRM's mean reward on line steps minus the exact label went from " + ", ".join(
+        f"{100 * mean(hacked[s]['series']['steps/judge_minus_exact'][:10]):+.1f}" for s in seeds) + " points over "
+        "steps 1-10 to " + ", ".join(f"{100 * mean(hacked[s]['series']['steps/judge_minus_exact'][30:40]):+.1f}"
+                                    for s in seeds) + f" over steps 31-40 (seeds {', '.join(seeds)}): "
+        + said(rows["L88"]))
+    for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93"):
+        row = rows[row_id]
+        sentences.append(f"{row['lesson'][0].lower()}{row['lesson'][1:]}: per seed "
+                         + ", ".join(f"{d:+.2f}" for d in row["diffs"]) + f", {said(row)}")
+    return sentences
+
+
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else float("nan")

@@ -782,3 +782,19 @@ def test_async_page_and_readme_quote_the_committed_runs():
     for sentence in async_runs.prose(saved):
         assert sentence in " ".join(page.split()), sentence
     assert async_runs.readme_sentence(saved) in " ".join(read("README.md").split())
+
+
+def test_process_page_and_readme_quote_the_committed_runs():
+    """docs/process.md's tables (the RL arms, the PRMs, the labels' agreement, the selection, the claims as the
+    ledger reads them) and its sentences with numbers are what benchmarks/process_runs.py prints from the committed
+    docs/process_runs.json (3 seeds, 7 RL arms, two PRMs a seed, best-of-16 by two judges)."""
+    process_runs = load_benchmark("process_runs")
+    saved, page = json.loads(read("docs", "process_runs.json")), read("docs", "process.md")
+    assert saved["seeds"] == [2, 3, 4] and list(saved["arms"]) == process_runs.RL_ARMS
+    assert all(sorted(runs) == ["2", "3", "4"] for runs in saved["arms"].values())
+    assert sorted(saved["prm"]) == sorted(saved["prm_estimated"]) == sorted(saved["best_of_n"]) == ["2", "3", "4"]
+    for table in (process_runs.rl_table(saved), process_runs.prm_table(saved), process_runs.agreement_table(saved),
+                  process_runs.selection_table(saved), process_runs.claims_table()):
+        assert table in page, table.splitlines()[0]
+    for sentence in process_runs.prose(saved):
+        assert sentence in " ".join(page.split()), sentence
