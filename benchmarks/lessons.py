@@ -47,6 +47,8 @@ ASYNC = read("async_runs.json")
 ASYNC_REGISTERED = "2026-11-29, c60fce4: benchmarks/async_claims.md"  # written before async_runs.py ran
 ASYNC_REFERENCE_REGISTERED = "2026-11-29, c5acf4c: benchmarks/async_claims.md"  # before any --reference_pass run
 SAMPLER = read("sampler_gap.json")
+PROCESS = read("process_runs.json")
+PROCESS_REGISTERED = "2026-11-29, 447e4c0: benchmarks/process_claims.md"  # written before process_runs.py ran
 SEEDS = SYLLABUS["seeds"]
 
 
@@ -341,6 +343,48 @@ def async_seconds_noise(b: str, a: str, seeds: list | None = None) -> float:
     return step_noise([runs_b[sd]["steps"] for sd in shared], [runs_a[sd]["steps"] for sd in shared], 1.0)
 
 
+def process_final(arm: str) -> dict:
+    """{seed: held-out sampled accuracy at step 40, in points} of an RL arm of process_runs.json."""
+    return {int(seed): run["evals"][-1]["sampled"] for seed, run in PROCESS["arms"][arm].items()}
+
+
+def process_series(arm: str, key: str, window: slice) -> dict:
+    """{seed: [the training statistic at each step of the window, in points]} (steps without a value left out)."""
+    return {int(seed): [100 * v for v in run["series"][key][window] if v is not None]
+            for seed, run in PROCESS["arms"][arm].items()}
+
+
+def process_late(arm: str, key: str = "steps/carry_slip") -> dict:
+    """{seed: the mean over training steps 31-40 of a statistic, in points}."""
+    return {seed: statistics.fmean(values) for seed, values in process_series(arm, key, slice(30, 40)).items()}
+
+
+def process_change(arm: str, key: str) -> dict:
+    """{seed: the mean over steps 31-40 minus the mean over steps 1-10, in points}."""
+    early = process_series(arm, key, slice(0, 10))
+    return {seed: statistics.fmean(late) - statistics.fmean(early[seed])
+            for seed, late in process_series(arm, key, slice(30, 40)).items()}
+
+
+def process_step_noise(b: str, a: str, key: str = "steps/carry_slip") -> float:
+    """step_noise of a statistic's mean over steps 31-40 in two arms, seed by seed (in points)."""
+    late = slice(30, 40)
+    shared = sorted(set(process_series(b, key, late)) & set(process_series(a, key, late)))
+    return step_noise([process_series(b, key, late)[sd] for sd in shared],
+                      [process_series(a, key, late)[sd] for sd in shared], 1.0)
+
+
+def process_kept(judge: str, N: str = "16") -> dict:
+    """{seed: best-of-N's gold accuracy by a judge ('prm' or 'rm') on the SFT model's samples, in points}."""
+    return {int(seed): 100 * bon[judge]["best_of_n"][N]["gold"] for seed, bon in PROCESS["best_of_n"].items()
+            if judge in bon}
+
+
+def process_prm(name: str, key: str) -> dict:
+    """{seed: a held-out score of prm.py's run ('prm' exact labels, 'prm_estimated'), in points}."""
+    return {int(seed): 100 * result[key] for seed, result in PROCESS[name].items()}
+
+
 def agent_final(arm: str, key: str = "accuracy_sampled") -> dict:
     """{seed: the last evaluation's value, in points} of an arm of agent_runs.json (benchmarks/agent_runs.py)."""
     return {int(seed): 100 * run["evals"][-1][key] for seed, run in AGENT["results"][arm].items()}
@@ -420,6 +464,101 @@ def best_of_n_gold(part: str, N: str) -> dict:
 def entropy_change() -> dict:
     """{seed: mean entropy of steps 31-40 - entropy at step 1} of entropy.json's base arm (nats per token)."""
     return {run["seed"]: statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in ENTROPY["base"]}
+
+
+def process_rows() -> list[dict]:
+    """The registered claims of benchmarks/process_claims.md (C1-C8, S1-S3, L1-L2), read from process_runs.json."""
+    rows, final_unit = [], "points, final sampled accuracy (step 40)"
+    slip_unit = "points of carrying sums whose first carrying line is wrong, mean of training steps 31-40"
+    for i, (lesson, a, b, differs, claim, score) in enumerate((
+            ("GRPO with process supervision (exact step labels) ends above its outcome twin", "grpo_outcome",
+             "grpo_process", "a reward per step (each normalised over the group's steps) instead of the answer "
+                             "step's alone, the same exact judge", "up", "final"),
+            ("GRPO with process supervision gets the slip's line wrong less often than its outcome twin",
+             "grpo_outcome", "grpo_process", "as the row above", "down", "slip"),
+            ("PPO with a reward at each step's end (exact labels) ends above PPO with the checker's reward at the "
+             "last token", "ppo_outcome", "ppo_process", "a +-1 reward at each step's end instead of one at the "
+                                                         "last token (the critic starts from the PRM in both)",
+             "up", "final"),
+            ("PPO with step rewards gets the slip's line wrong less often than its outcome twin", "ppo_outcome",
+             "ppo_process", "as the row above", "down", "slip"),
+            ("GRPO with process supervision by the PRM ends below process supervision by the exact labels",
+             "grpo_process", "grpo_process_prm", "the judge: the PRM's p_j instead of the exact label",
+             "down", "final"),
+            ("GRPO with process supervision by the PRM ends above the PRM's answer step alone",
+             "grpo_outcome_prm", "grpo_process_prm", "a reward per step instead of the answer step's alone, the "
+                                                     "same PRM", "up", "final"),
+            ("PPO with step rewards by the PRM ends below PPO with the exact step labels", "ppo_process",
+             "ppo_process_prm", "the judge: 2 p_j - 1 of the PRM instead of the exact label (and the PRM's "
+                                "reading at the answer step instead of the checker's)", "down", "final"))):
+        if not (PROCESS["arms"].get(a) and PROCESS["arms"].get(b)):
+            continue
+        if score == "final":
+            row = paired(process_final(b), process_final(a), claim, registered=PROCESS_REGISTERED)
+        else:
+            row = paired(process_late(b), process_late(a), claim, process_step_noise(b, a),
+                         "measured, the runs' step-to-step scatter (points)", PROCESS_REGISTERED)
+        rows.append(dict(id=f"L{81 + i}", lesson=lesson, where="docs/process.md",
+                         arms=f"process_runs.json: {a} -> {b}", differs=differs,
+                         unit=final_unit if score == "final" else slip_unit, **row))
+    if PROCESS["arms"].get("grpo_process_prm"):
+        change = process_change("grpo_process_prm", "steps/judge_minus_exact")
+        early = process_series("grpo_process_prm", "steps/judge_minus_exact", slice(0, 10))
+        late = process_series("grpo_process_prm", "steps/judge_minus_exact", slice(30, 40))
+        rows.append(dict(id="L88", lesson="Trained against the PRM, the policy's lines are overrated more late in "
+                                          "training than early", where="docs/process.md",
+                         arms="process_runs.json grpo_process_prm: steps 1-10 -> steps 31-40",
+                         differs="40 steps of training against the PRM (the same run, early and late)",
+                         unit="points of the PRM's mean reward on line steps minus the exact label",
+                         **paired(change, {seed: 0.0 for seed in change}, "up",
+                                  step_noise([late[sd] for sd in sorted(change)], [early[sd] for sd in sorted(change)],
+                                             1.0), "measured, the runs' step-to-step scatter (points)",
+                                  PROCESS_REGISTERED)))
+    bon = [int(seed) for seed, b in PROCESS["best_of_n"].items() if "prm" in b and "rm" in b]
+    if bon:
+        prm16, rm16 = process_kept("prm"), process_kept("rm")
+        vote = {int(sd): 100 * b["prm"]["maj@k"]["16"] for sd, b in PROCESS["best_of_n"].items() if "prm" in b}
+        random1 = {int(sd): 100 * b["prm"]["pass@k"]["1"] for sd, b in PROCESS["best_of_n"].items() if "prm" in b}
+        for i, (lesson, other, k, name, differs) in enumerate((
+                ("Best-of-16 by the PRM is right more often than best-of-16 by the outcome reward model", rm16, 16,
+                 "best of 16 by the reward model", "the judge: the PRM's minimum over steps instead of the reward "
+                                                   "model's score (trained on other data, with another loss)"),
+                ("Best-of-16 by the PRM is right more often than the majority vote of the 16", vote, 16, "maj@16",
+                 "the pick: the PRM's instead of the most given answer"),
+                ("Best-of-16 by the PRM is right more often than one of the 16 picked at random", random1, 1,
+                 "a pick at random (pass@1)", "the pick: the PRM's instead of a random one"))):
+            rows.append(dict(id=f"L{89 + i}", lesson=lesson, where="docs/process.md", differs=differs,
+                             arms=f"process_runs.json best_of_n (SFT model, 500 problems x 16 samples): {name} -> "
+                                  "best of 16 by the PRM",
+                             unit="points of the 500 problems whose kept answer is right",
+                             **paired(prm16, other, "up", *pick_noise(prm16, other, 16, k, 500, 16),
+                                      registered=PROCESS_REGISTERED)))
+    if PROCESS["prm"] and PROCESS["prm_estimated"]:
+        for i, (lesson, key) in enumerate((
+                ("A PRM trained on Math-Shepherd's estimated labels has a lower held-out step accuracy than one "
+                 "trained on the exact labels", "step_accuracy"),
+                ("A PRM trained on estimated labels tells right answers from wrong ones worse (AUROC of the minimum "
+                 "over steps)", "answer_auroc/min"))):
+            exact, estimated = process_prm("prm", key), process_prm("prm_estimated", key)
+            rows.append(dict(id=f"L{92 + i}", lesson=lesson, where="docs/process.md",
+                             arms="process_runs.json: prm -> prm_estimated",
+                             differs="the training labels: Math-Shepherd's hard estimate (4 continuations a step) "
+                                     "instead of the exact labels, on the same sampled answers",
+                             unit=f"points of {key} on the same 1,000 held-out answers",  # (AUROC x 100)
+                             **paired(estimated, exact, "down", *prm_noise(key), registered=PROCESS_REGISTERED)))
+    return rows
+
+
+def prm_noise(key: str) -> tuple[float, str]:
+    """s0 of a held-out PRM score. Both PRMs of a seed read the same held-out answers, and no PRM was trained twice,
+    so a binomial bound over those answers stands in: the step accuracy as a share of the 1,000 answers (a
+    conservative count: each holds 3 to 5 steps, correlated within it), the AUROC as a share of min(right,
+    wrong) answers, the order of Hanley and McNeil's (1982) bound on its variance."""
+    exact, estimated = process_prm("prm", key), process_prm("prm_estimated", key)
+    if key.startswith("answer_auroc"):
+        draws = min(min(r["right_answers"], 1 - r["right_answers"]) * r["n"] for r in PROCESS["prm"].values())
+        return binomial_noise((exact, draws), (estimated, draws)), f"binomial bound, {draws:.0f} answers"
+    return binomial_noise((exact, 1000), (estimated, 1000)), "binomial bound, 1,000 held-out answers"
 
 
 def lessons() -> list[dict]:
@@ -720,6 +859,7 @@ def lessons() -> list[dict]:
                "stale1", "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "same", False),
               ("At two updates of staleness the correction leaves the final accuracy unchanged", "stale2_plain",
                "stale2", "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "same", False)))],
+        *process_rows(),
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",

@@ -297,9 +297,17 @@ def prose(data: dict) -> list[str]:
         "steps 1-10 to " + ", ".join(f"{100 * mean(hacked[s]['series']['steps/judge_minus_exact'][30:40]):+.1f}"
                                     for s in seeds) + f" over steps 31-40 (seeds {', '.join(seeds)}): "
         + said(rows["L88"]))
+    grpo_arms = ("grpo_outcome", "grpo_process", "grpo_outcome_prm", "grpo_process_prm")
+    sentences.append("GRPO's rollouts held " + ", ".join(
+        f"{mean(mean(data['arms'][arm][s]['series']['steps/per_completion'][30:40]) for s in seeds):.2f}"
+        for arm in grpo_arms) + " steps per answer over steps 31-40 (" + ", ".join(grpo_arms)
+        + "; the mean of the seeds), against " + ", ".join(
+            f"{mean(mean(data['arms'][arm][s]['series']['steps/per_completion'][:10]) for s in seeds):.2f}"
+            for arm in grpo_arms) + " over steps 1-10")
     for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93"):
         row = rows[row_id]
-        sentences.append(f"{row['lesson'][0].lower()}{row['lesson'][1:]}: per seed "
+        lesson = row["lesson"] if row["lesson"][:2].isupper() else row["lesson"][0].lower() + row["lesson"][1:]
+        sentences.append(f"the claim that {lesson}: per seed "
                          + ", ".join(f"{d:+.2f}" for d in row["diffs"]) + f", {said(row)}")
     return sentences
 
@@ -328,18 +336,18 @@ def plot(data: dict):
             steps_ = [e["step"] for e in next(iter(runs.values()))["evals"]]
             ax.plot(steps_, [mean(r["evals"][i]["sampled"] for r in runs.values()) for i in range(len(steps_))],
                     color=color, linestyle=line, marker="o", label=arm)
-        ax.set(title=f"{family.upper()}: held-out sampled accuracy (mean of {len(data['seeds'])} seeds)",
-               xlabel="step", ylabel="%")
+        ax.set(title=f"{family.upper()}: held-out sampled accuracy", xlabel="step",
+               ylabel=f"% (mean of {len(data['seeds'])} seeds)")
         ax.legend(fontsize=7)
     for arm in ("grpo_outcome", "grpo_process", "ppo_outcome", "ppo_process"):
         runs = data["arms"].get(arm) or {}
         rates = [r["series"]["steps/carry_slip"] for r in runs.values() if "steps/carry_slip" in r["series"]]
-        if rates:
-            per_step = [mean(100 * (row[i] if row[i] is not None else float("nan")) for row in rates)
-                        for i in range(min(map(len, rates)))]
-            window = [mean(per_step[max(0, i - 4): i + 1]) for i in range(len(per_step))]
+        if rates:  # a step whose batch held no carrying sum has no value: the window's mean skips it
+            window = [mean(100 * row[j] for row in rates for j in range(max(0, i - 4), i + 1) if row[j] is not None)
+                      for i in range(min(map(len, rates)))]
             axes[2].plot(range(1, len(window) + 1), window, color=styles[arm][0], linestyle=styles[arm][1], label=arm)
-    axes[2].set(title="the slip's line wrong (first carry), 5-step mean", xlabel="step", ylabel="% of carrying sums")
+    axes[2].set(title="the first carrying line wrong", xlabel="step",
+                ylabel="% of carrying sums (5 steps, 3 seeds)")
     axes[2].legend(fontsize=7)
     bon = [b for b in data["best_of_n"].values() if "prm" in b and "rm" in b]
     if bon:
@@ -356,8 +364,8 @@ def plot(data: dict):
                 ("one at random (pass@1)", [mean(100 * b["prm"]["pass@k"]["1"] for b in bon)] * len(Ns), "black")):
             axes[3].plot(Ns, values, marker="o" if "random" not in label else None, color=color, label=label,
                          linestyle=":" if "random" in label else "-")
-        axes[3].set(xscale="log", title=f"SFT's held-out answers: one kept of N ({len(bon)} seeds)", xlabel="N",
-                    ylabel="kept answer right (%)")
+        axes[3].set(xscale="log", title="one answer kept of N (the SFT model)", xlabel="N",
+                    ylabel=f"kept answer right (%, mean of {len(bon)} seeds)")
         axes[3].set_xticks(Ns, [str(N) for N in Ns])
         axes[3].legend(fontsize=7)
     for ax in axes:
