@@ -53,9 +53,9 @@ class Config(harness.PolicyGradientConfig):
     """reward model (and critic initialisation) written by reward_model.py; 'rule' = the rule-based checker"""
     value_model: str = ""
     """where the critic starts, if not from --reward_model: a reward model folder (its trained scalar head). Unset:
-    the reward model itself, or with --reward_model rule a fresh value head on --model. With rule, a value_model
-    changes only the reward, not the critic's start (TRL 0.x's PPOTrainer took value_model apart from reward_model:
-    trl/trainer/ppo_trainer.py)"""
+    the reward model itself, or with --reward_model rule a fresh value head on --model. With rule, --value_model
+    keeps the critic's start of a reward-model run, so that the two runs differ in the reward alone (TRL 0.x's
+    PPOTrainer took value_model apart from reward_model: trl/trainer/ppo_trainer.py)"""
     num_mini_batches: int = setting(1, lambda v: v >= 1, "at least 1")
     """mini-batches the experience is split into, per PPO epoch (one update of actor and critic each)"""
     num_ppo_epochs: int = setting(1, lambda v: v >= 1, "at least 1")

@@ -552,7 +552,7 @@ def process_rows() -> list[dict]:
 def prm_noise(key: str) -> tuple[float, str]:
     """s0 of a held-out PRM score. Both PRMs of a seed read the same held-out answers, and no PRM was trained twice,
     so a binomial bound over those answers stands in: the step accuracy as a share of the 1,000 answers (a
-    conservative count: each holds 3 to 5 steps, correlated within it), the AUROC as a share of min(right,
+    conservative count: each holds 3 or 4 steps, correlated within it), the AUROC as a share of min(right,
     wrong) answers, the order of Hanley and McNeil's (1982) bound on its variance."""
     exact, estimated = process_prm("prm", key), process_prm("prm_estimated", key)
     if key.startswith("answer_auroc"):

@@ -153,7 +153,7 @@ ARM_NAMES = {"grpo_outcome": "GRPO, outcome twin (exact judge)", "grpo_process":
              "grpo_outcome_prm": "GRPO, outcome twin (the PRM's answer step)",
              "grpo_process_prm": "GRPO, process (the PRM)", "ppo_outcome": "PPO, the checker's reward at the end",
              "ppo_process": "PPO, step rewards (exact labels)", "ppo_process_prm": "PPO, step rewards (the PRM)"}
-KINDS = ("no carry", "carry", "no borrow", "borrow", "sign", "all")
+KINDS = ("no carry", "carry", "no borrow", "borrow", "sign", "extra", "all")
 
 
 def late_mean(run: dict, key: str) -> float:
@@ -185,8 +185,11 @@ def prm_table(data: dict) -> str:
     seeds = [str(s) for s in data["seeds"] if str(s) in data["prm"]]
     row = lambda r, key: ", ".join(f"{100 * r[s][key]:.1f}" for s in seeds if s in r)  # noqa: E731
     lines = ["| held out, per seed (%) | PRM on exact labels | PRM on estimated labels |", "| --- | --- | --- |"]
-    for key, name in (("step_accuracy", "step accuracy"), ("step_accuracy/carry", "step accuracy, carry steps"),
-                      ("step_accuracy/borrow", "step accuracy, borrow steps"),
+    for key, name in (("step_accuracy", "step accuracy"), ("step_accuracy/no carry", "step accuracy, no carry"),
+                      ("step_accuracy/carry", "step accuracy, carry"), ("step_accuracy/no borrow",
+                                                                         "step accuracy, no borrow"),
+                      ("step_accuracy/borrow", "step accuracy, borrow"), ("step_accuracy/sign", "step accuracy, sign"),
+                      ("step_accuracy/extra", "step accuracy, extra lines (rare)"),
                       ("step_accuracy/answer", "step accuracy, answer steps"),
                       ("answer_auroc/min", "AUROC of the answer's score, min over steps"),
                       ("answer_auroc/product", "AUROC, product over steps")):
@@ -297,6 +300,12 @@ def prose(data: dict) -> list[str]:
         "steps 1-10 to " + ", ".join(f"{100 * mean(hacked[s]['series']['steps/judge_minus_exact'][30:40]):+.1f}"
                                     for s in seeds) + f" over steps 31-40 (seeds {', '.join(seeds)}): "
         + said(rows["L88"]))
+    control = data["arms"]["grpo_outcome_prm"]
+    sentences.append("in the outcome twin against the same PRM, whose policy is never paid for the PRM's line scores, "
+                     "it went from " + ", ".join(
+                         f"{100 * mean(control[s]['series']['steps/judge_minus_exact'][:10]):+.1f}" for s in seeds)
+                     + " to " + ", ".join(f"{100 * mean(control[s]['series']['steps/judge_minus_exact'][30:40]):+.1f}"
+                                          for s in seeds))
     grpo_arms = ("grpo_outcome", "grpo_process", "grpo_outcome_prm", "grpo_process_prm")
     sentences.append("GRPO's rollouts held " + ", ".join(
         f"{mean(mean(data['arms'][arm][s]['series']['steps/per_completion'][30:40]) for s in seeds):.2f}"
@@ -306,7 +315,8 @@ def prose(data: dict) -> list[str]:
             for arm in grpo_arms) + " over steps 1-10")
     for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93"):
         row = rows[row_id]
-        lesson = row["lesson"] if row["lesson"][:2].isupper() else row["lesson"][0].lower() + row["lesson"][1:]
+        first = row["lesson"].split()[0]
+        lesson = row["lesson"] if len(first) > 1 and first.isupper() else row["lesson"][0].lower() + row["lesson"][1:]
         sentences.append(f"the claim that {lesson}: per seed "
                          + ", ".join(f"{d:+.2f}" for d in row["diffs"]) + f", {said(row)}")
     return sentences

@@ -26,6 +26,7 @@ import torch
 
 import common
 from data.make_data import solve
+from lib import distributed
 
 QUESTION = re.compile(r"What is (\d+) ([-+]) (\d+)\?")
 STEP_KINDS = ("carry", "no carry", "borrow", "no borrow", "sign", "extra", "answer", "answer, negative")
@@ -83,8 +84,8 @@ def exact_labels(question: str, completion: str, answer: str) -> list[int]:
 def line_labels(question: str, completion: str) -> list[int]:
     """Each line judged alone (1 when it equals the solver's line at its place, whatever came before), without
     the answer step. Not what PRM800K's labellers gave (Lightman et al.: each step rated in the context of those
-    before it, no labels after the first error, which agrees with exact_labels where PRM800K has a label): the
-    contrast notebook 10 can draw, not a training label."""
+    before it, no labels after the first error: exact_labels' structure, with correctness as the criterion where
+    exact_labels asks for the solver's text). Not a training label here."""
     truth = true_lines(question) or []
     return [int(j < len(truth) and text == truth[j]) for j, (text, _) in enumerate(steps(completion)[:-1])]
 
@@ -119,7 +120,9 @@ def slip_step(question: str) -> int | None:
 def slip_errors(questions: list[str], completions: list[str], answers: list[str]) -> dict:
     """How often the slip's step is wrong: over completions of problems with a first carry (or borrow), the share
     whose line at that place is wrong (exact_labels 0, the lines before it right), against the share of wrong
-    lines elsewhere. The metric of 'is the teacher's slip unlearned': {'steps/carry_slip': .., ...}."""
+    lines elsewhere. The metric of 'is the teacher's slip unlearned': {'steps/carry_slip': .., ...}. Under torchrun
+    the counts are summed over the processes first, so every process logs the same rates and the same keys (a key is
+    left out when no process judged such a line)."""
     counts = {"carry_slip": [0, 0], "borrow_slip": [0, 0], "other_lines": [0, 0]}
     for question, completion, answer in zip(questions, completions, answers):
         if parse_question(question) is None:
@@ -132,7 +135,9 @@ def slip_errors(questions: list[str], completions: list[str], answers: list[str]
             key = f"{kinds[j]}_slip" if j == slip else "other_lines"
             counts[key][0] += 1 - label
             counts[key][1] += 1
-    return {f"steps/{key}": wrong / total for key, (wrong, total) in counts.items() if total}
+    summed = distributed.global_sum(torch.tensor(list(counts.values()), dtype=torch.float64,
+                                                 device=distributed.get_device())).tolist()  # [3, 2]
+    return {f"steps/{key}": wrong / total for key, (wrong, total) in zip(counts, summed) if total}
 
 
 def end_tokens(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor,
