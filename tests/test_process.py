@@ -251,7 +251,7 @@ def test_a_killed_run_resumes_to_the_unbroken_one(sft_checkpoint, prm_folder, tm
                                 "--num_generations", "4"],
             "ppo.py": ["--model", sft_checkpoint, "--reward_model", prm_folder, "--process_rewards", "true"]}[script]
     if script != "prm.py":  # Speed: 3 steps, a checkpoint after each, one evaluation at the end on 4 problems
-        args += ["--max_steps", "3", "--save_steps", "1", "--per_device_train_batch_size", "16", "--eval_steps", "3",
+        args += ["--max_steps", "3", "--save_steps", "1", "--per_device_train_batch_size", "8", "--eval_steps", "3",
                  "--num_eval_examples", "4", "--eval_on_start", "false", "--warmup_steps", "1"]
     first, broken = str(tmp_path / "first"), str(tmp_path / "broken")
     run_main(script, *args, "--output_dir", first)
