@@ -191,7 +191,7 @@ def sample_and_judge(model, tokenizer, judge, judge_tokenizer, questions, answer
             probs = prm.step_probs(judge, torch.cat([prompt_ids, completion_ids], 1),
                                    torch.cat([prompt_mask, completion_mask], 1), completion_ids.shape[1], ends,
                                    cfg.per_device_eval_batch_size)
-            scores = torch.tensor([min(p) if cfg.prm_aggregate == "min" else math.prod(p) for p in probs])
+            scores = torch.tensor([prm.answer_score(p, cfg.prm_aggregate) for p in probs])
         else:
             ids, mask = reward_model.judge_rows(  # the policy's rows, or the same text in the judge's own ids
                 judge_tokenizer, tokenizer, repeated, texts, torch.cat([prompt_ids, completion_ids], 1),

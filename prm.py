@@ -33,6 +33,7 @@ Left out, and why: PRM800K-style human labels (none offline); a PRM that generat
 verifier); several processes (the labelling and training of the tiny model take a few minutes on one CPU).
 """
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -124,12 +125,9 @@ def prm_loss(logits, labels, step_mask, num_steps: int | None = None) -> torch.T
     return (losses * step_mask).sum() / (step_mask.sum() if num_steps is None else num_steps)
 
 
-def answer_scores(probs, step_mask, aggregate: str) -> torch.Tensor:
-    """One score per answer from its steps' p_j [N, S]: their minimum (Math-Shepherd) or product (Lightman et
-    al.), over the real steps (step_mask [N, S]) -> [N]."""
-    if aggregate == "min":
-        return torch.where(step_mask.bool(), probs, 1.0).min(dim=1).values
-    return torch.where(step_mask.bool(), probs, 1.0).prod(dim=1)
+def answer_score(probs: list[float], aggregate: str = "min") -> float:
+    """One score for an answer from its steps' p_j: their minimum (Math-Shepherd) or their product (Lightman et al.)."""
+    return min(probs) if aggregate == "min" else math.prod(probs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +238,8 @@ def held_out(model, rows, kinds, outcome_model, pad_id: int, batch_size: int) ->
     results["step_accuracy"] = sum(every) / len(every)
     results.update({f"step_accuracy/{kind}": sum(v) / len(v) for kind, v in sorted(by_kind.items())})
     outcomes = [int(r["labels"][-1]) for r in rows]
-    for name, scores in (("min", [min(p) for p in probs]), ("product", [torch.tensor(p).prod().item() for p in probs])):
+    for name in ("min", "product"):
+        scores = [answer_score(p, name) for p in probs]
         results[f"answer_accuracy/{name}"] = sum((s > 0.5) == y for s, y in zip(scores, outcomes)) / len(rows)
         results[f"answer_auroc/{name}"] = auroc(scores, outcomes)
     if orm:

@@ -415,8 +415,8 @@ def judges(sft: str, prm_folder: str, rm_folder: str, seed: int, output_dir: str
             ends = steps.end_tokens(tokenizer, completion_ids, completion_mask,
                                     [[end for _, end in steps.steps(t)] for t in texts])
             probs = prm.step_probs(judge, input_ids, attention_mask, completion_ids.shape[1], ends, 256)
-            prm_min += [min(p) for p in probs]
-            prm_product += [float(torch.tensor(p).prod()) for p in probs]
+            prm_min += [prm.answer_score(p, "min") for p in probs]
+            prm_product += [prm.answer_score(p, "product") for p in probs]
             orm_scores += reward_model.sequence_scores(orm, input_ids, attention_mask).tolist()
             outcomes += [steps.outcome_label(t, g) for t, g in zip(texts, golds)]
     result = {"auroc/prm_min": prm.auroc(prm_min, outcomes), "auroc/prm_product": prm.auroc(prm_product, outcomes),
