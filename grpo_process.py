@@ -10,6 +10,8 @@ of the normalised rewards of the steps that end at or after it:
     r~_i^(j)     = (r_i^(j) - mean(R)) / (std(R) + 1e-4)
     A_i,t        = sum over the steps j of completion i with end(j) >= t of r~_i^(j)
 
+(The paper divides by std(R); the 1e-4 and the unbiased std are TRL's, as in grpo.py, so that the twins share them.)
+
 So the advantage changes inside an answer at each step's end: a token carries the credit of every step from its own
 to the last (a right line before a slip carries the slip's blame too), where an outcome reward gives the whole
 answer one number.
@@ -25,7 +27,8 @@ completion's reward is its last step's, and every token gets its group-normalise
 twins differ in the density of the signal and in what comes with it: the process advantage's size grows with the
 number of steps, and the normalisation pools steps, not answers (docs/process.md). The twin's reward is the
 outcome label (1 or 0), not grpo.py's correctness plus format, whose metrics (reward, rewards/*) are still logged
-for comparison; steps/reward is the reward trained on. Everything else is grpo.py's: its settings, its loop
+for comparison; steps/reward is the judge's mean over all steps (what the process arm trains on; the twin trains on
+the answer steps' alone). Everything else is grpo.py's: its settings, its loop
 (grpo.main, given process_advantages), its loss (grpo_loss, with a token's own advantage), its metrics; plus the
 step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry is wrong).
 
@@ -70,8 +73,8 @@ def process_advantages(step_rewards: list[list[float]], step_ends: list[list[int
     of its group, r~ = (r - mean(R)) / (std(R) + eps), then A_i,t = the sum of r~_i^(j) over the steps j of
     completion i that end at or after token t. step_rewards, step_ends: per completion (groups contiguous),
     one reward and one end token (lib/steps.py's end_tokens: the answer step ends at the last real token) per
-    step. Returns advantages [N, T], 0 after each completion's last token. std is the unbiased one, as
-    grpo.group_advantages's."""
+    step. Returns advantages [N, T], 0 after each completion's last token. The paper divides by std(R); the eps
+    and the unbiased std are TRL's (grpo.group_advantages's), kept so that the twins share them."""
     advantages = torch.zeros(len(step_rewards), T)
     for start in range(0, len(step_rewards), group_size):
         group = torch.tensor([r for rewards in step_rewards[start : start + group_size] for r in rewards])  # R

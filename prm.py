@@ -6,8 +6,8 @@ answer, then the answer itself) and learns from a label per step, as a classifie
 "Let's Verify Step by Step"; Math-Shepherd, Wang et al. 2024):
 
     p_j  = sigmoid(w . h(end of step j))                      the chance that step j's label is 1 (exact labels: the
-                                                              lines so far are the solver's; estimated: the policy can
-                                                              still end right from there)
+                                                              lines so far are the solver's; hard estimate: one of N
+                                                              continuations from there ends right; soft: the share)
     loss = mean over the labelled steps of  BCE(p_j, y_j)   = -[y_j log p_j + (1 - y_j) log(1 - p_j)]
 
 The answers are the policy's own samples (as reward_model.py's --policy_prompts); their labels come two ways:
@@ -119,7 +119,7 @@ def is_prm(folder: str) -> bool:
 
 def prm_loss(logits, labels, step_mask, num_steps: int | None = None) -> torch.Tensor:
     """Binary cross-entropy of each real step's logit [N, S] against its label (0, 1, or a share for soft
-    estimates), summed over the steps where step_mask [N, S] is 1 and divided by num_steps (how many answer steps
+    estimates), summed over the steps where step_mask [N, S] is 1 and divided by num_steps (how many steps
     the whole optimizer step's batch labels, so that micro-batches add up; their own count by default)."""
     losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")  # [N, S]
     return (losses * step_mask).sum() / (step_mask.sum() if num_steps is None else num_steps)

@@ -503,12 +503,15 @@ def process_rows() -> list[dict]:
                          unit=final_unit if score == "final" else slip_unit, **row))
     if PROCESS["arms"].get("grpo_process_prm"):
         change = process_change("grpo_process_prm", "steps/judge_minus_exact")
+        control = process_change("grpo_outcome_prm", "steps/judge_minus_exact")
         early = process_series("grpo_process_prm", "steps/judge_minus_exact", slice(0, 10))
         late = process_series("grpo_process_prm", "steps/judge_minus_exact", slice(30, 40))
         rows.append(dict(id="L88", lesson="Trained against the PRM, the policy's lines are overrated more late in "
                                           "training than early", where="docs/process.md",
                          arms="process_runs.json grpo_process_prm: steps 1-10 -> steps 31-40",
-                         differs="40 steps of training against the PRM (the same run, early and late)",
+                         differs="40 steps of training against the PRM (the same run, early and late); its control, "
+                                 "the outcome twin against the same PRM (never paid for the PRM's line scores), rose "
+                                 "by " + ", ".join(f"{d:+.2f}" for d in control.values()) + " per seed",
                          unit="points of the PRM's mean reward on line steps minus the exact label",
                          **paired(change, {seed: 0.0 for seed in change}, "up",
                                   step_noise([late[sd] for sd in sorted(change)], [early[sd] for sd in sorted(change)],
@@ -546,6 +549,61 @@ def process_rows() -> list[dict]:
                                      "instead of the exact labels, on the same sampled answers",
                              unit=f"points of {key} on the same 1,000 held-out answers",  # (AUROC x 100)
                              **paired(estimated, exact, "down", *prm_noise(key), registered=PROCESS_REGISTERED)))
+    return rows
+
+
+SMOLLM2_PROCESS_REGISTERED = "2026-11-29, 89e207c: benchmarks/process_claims.md (SmolLM2)"  # before its runs
+
+
+def smollm2_process_rows() -> list[dict]:
+    """The registered SmolLM2 claims of benchmarks/process_claims.md (R1-R3): benchmarks/smollm2_process.sh's two
+    arms, where run, and the committed outcome chain (docs/smollm2_runs/sft120-seed<s>/), each from the seed's 120-step
+    SFT model (for the new arms made again by the chain's own command)."""
+    seeds = [s for s in range(3) if os.path.isfile(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{s}",
+                                                                "grpo_process", "metrics.jsonl"))]
+    if not seeds:
+        return []
+    final = lambda arm: {s: 100 * smollm2(f"sft120-seed{s}", arm)[-1]["eval/accuracy_sampled"]  # noqa: E731
+                         for s in seeds}
+
+    def slip(arm: str) -> dict:  # {seed: [steps/carry_slip of steps 21-30, in points]}
+        series = {}
+        for s in seeds:
+            with open(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{s}", arm, "metrics.jsonl"),
+                      encoding="utf-8") as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            series[s] = [100 * r["steps/carry_slip"] for r in rows if 21 <= r["step"] <= 30
+                         and r.get("steps/carry_slip") is not None]
+        return series
+
+    unit = "points, final sampled accuracy (step 30, 64 held-out problems x 4)"
+    rows = [dict(id="L95", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above the "
+                                  "outcome chain of benchmarks/smollm2.sh", where="docs/process.md",
+                 arms="smollm2_runs/sft120-seed*: grpo -> grpo_process",
+                 differs="the supervision, and the chain's reward (correctness plus format instead of the outcome "
+                         "label) and its dynamic sampling (up to 6 rollouts a step, groups with spread only); the SFT "
+                         "start made again", unit=unit,
+                 **paired(final("grpo_process"), final("grpo"), "up", SMOLLM2, "measured, SmolLM2 64 x 4",
+                          SMOLLM2_PROCESS_REGISTERED))]
+    if all(os.path.isfile(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{s}", "grpo_outcome",
+                                       "metrics.jsonl")) for s in seeds):  # the outcome twin, where it was run
+        process, outcome = slip("grpo_process"), slip("grpo_outcome")
+        rows[:0] = [dict(id="L94", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above "
+                                          "its outcome twin", where="docs/process.md",
+                         arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
+                         differs="a reward per step (each normalised over the group's steps) instead of the answer "
+                                 "step's alone, the same exact judge", unit=unit,
+                         **paired(final("grpo_process"), final("grpo_outcome"), "up", SMOLLM2,
+                                  "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
+        rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "
+                                          "often than its outcome twin", where="docs/process.md",
+                         arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process", differs="as L94",
+                         unit="points of carrying sums whose first carrying line is wrong, mean of training steps "
+                              "21-30",
+                         **paired({s: statistics.fmean(v) for s, v in process.items()},
+                                  {s: statistics.fmean(v) for s, v in outcome.items()}, "down",
+                                  step_noise([process[s] for s in seeds], [outcome[s] for s in seeds], 1.0),
+                                  "measured, the runs' step-to-step scatter (points)", SMOLLM2_PROCESS_REGISTERED)))
     return rows
 
 
@@ -860,6 +918,7 @@ def lessons() -> list[dict]:
               ("At two updates of staleness the correction leaves the final accuracy unchanged", "stale2_plain",
                "stale2", "--vllm_importance_sampling_correction true (token_truncate, C = 3)", "same", False)))],
         *process_rows(),
+        *smollm2_process_rows(),
     ]
     no_verdict = [
         dict(id="L23", lesson="At the defaults PPO's and GRPO's clip never acts (one update per batch: the ratio is 1)",
@@ -1010,7 +1069,8 @@ def page() -> str:
         f"{t_quantile(0.95, 2):.2f} with 3 seeds, {t_quantile(0.95, 4):.2f} with 5.",
         "  *The other way*: the interval excludes 0 on the other side. *A lead*: not shown, but every seed on",
         "  the claimed side, a hypothesis for more seeds and not a result (with no effect, every seed lands on",
-        "  a given side 1 time in 8 with 3 seeds, 1 in 32 with 5). *Not shown*: the seeds disagree.",
+        "  a given side 1 time in 8 with 3 seeds, 1 in 32 with 5). *Not shown*: the seeds disagree, or every",
+        "  seed lies on the other side without the interval excluding 0.",
         "  *One run*: a single seed, no interval.",
         "- **No difference** (B = A) is *no difference within +-m* when the 90% interval (mean +- t(0.95, n - 1)",
         f"  SE) lies inside +-m (two one-sided tests at 5%), with m = {MARGIN:g} points of accuracy: a smaller",

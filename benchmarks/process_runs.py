@@ -165,8 +165,8 @@ def rl_table(data: dict) -> str:
     """Each arm: held-out sampled accuracy at step 0 and step 40, and the slip's error rate over steps 31-40, per
     seed, and the steps per completion (grpo_process.py's arms)."""
     seeds = [str(s) for s in data["seeds"]]
-    lines = ["| arm | sampled accuracy, step 0 -> 40, per seed | mean at 40 | the slip's line wrong, steps 31-40 "
-             "(%), per seed |", "| --- | --- | --- | --- |"]
+    lines = ["| arm | sampled accuracy, step 0 -> 40, per seed | mean at 40 | the first carrying line wrong (the "
+             "carry slip), steps 31-40 (%), per seed |", "| --- | --- | --- | --- |"]
     for arm, name in ARM_NAMES.items():
         runs = data["arms"].get(arm, {})
         if not all(s in runs for s in seeds):
@@ -185,12 +185,14 @@ def prm_table(data: dict) -> str:
     seeds = [str(s) for s in data["seeds"] if str(s) in data["prm"]]
     row = lambda r, key: ", ".join(f"{100 * r[s][key]:.1f}" for s in seeds if s in r)  # noqa: E731
     lines = ["| held out, per seed (%) | PRM on exact labels | PRM on estimated labels |", "| --- | --- | --- |"]
-    for key, name in (("step_accuracy", "step accuracy"), ("step_accuracy/no carry", "step accuracy, no carry"),
+    for key, name in (("step_accuracy", "step accuracy, every step (answer steps included)"),
+                      ("step_accuracy/no carry", "step accuracy, no carry"),
                       ("step_accuracy/carry", "step accuracy, carry"), ("step_accuracy/no borrow",
                                                                          "step accuracy, no borrow"),
                       ("step_accuracy/borrow", "step accuracy, borrow"), ("step_accuracy/sign", "step accuracy, sign"),
                       ("step_accuracy/extra", "step accuracy, extra lines (rare)"),
-                      ("step_accuracy/answer", "step accuracy, answer steps"),
+                      ("step_accuracy/answer", "step accuracy, answer steps (result not negative)"),
+                      ("step_accuracy/answer, negative", "step accuracy, answer steps (negative result)"),
                       ("answer_auroc/min", "AUROC of the answer's score, min over steps"),
                       ("answer_auroc/product", "AUROC, product over steps")):
         lines.append(f"| {name} | {row(data['prm'], key)} | {row(data['prm_estimated'], key)} |")
@@ -206,8 +208,8 @@ def agreement_table(data: dict) -> str:
     """Math-Shepherd's hard estimate against the exact label, over the training answers' line steps, by kind: the
     share that agree and the two errors, pooled over the seeds (steps counted)."""
     runs = list(data["prm_estimated"].values())
-    lines = ["| kind of step | line steps | estimate agrees | a broken prefix called right | a right prefix called "
-             "wrong |", "| --- | --- | --- | --- | --- |"]
+    lines = ["| kind of step | line steps | estimate agrees | a broken prefix called right (% of the line steps) | a "
+             "right prefix called wrong (% of the line steps) |", "| --- | --- | --- | --- | --- |"]
     for kind in KINDS:
         n = sum(r.get(f"label_steps/{kind}", 0) for r in runs)
         if not n:
@@ -235,7 +237,56 @@ def selection_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-PROCESS_ROWS = [f"L{i}" for i in range(81, 94)]  # benchmarks/lessons.py's rows of the registered claims
+SMOLLM2_ARMS = {  # docs/smollm2_runs/sft120-seed<s>/<arm>: (its name, the folder of its SFT start's metrics)
+    "grpo": ("grpo.py, the outcome chain (benchmarks/smollm2.sh: correctness plus format, dynamic sampling)", "sft"),
+    "grpo_outcome": ("grpo_process.py, outcome twin (exact judge)", "sft_again"),
+    "grpo_process": ("grpo_process.py, process (exact labels)", "sft_again")}
+
+
+def smollm2_runs() -> dict:
+    """{arm: {seed: read_run of docs/smollm2_runs/sft120-seed<seed>/<arm>, with "start": its SFT run's}}
+    (benchmarks/smollm2_process.sh's arms where run, and the committed chain's GRPO run), for the seeds that have
+    the process arm."""
+    def path(seed: int, part: str) -> str:
+        return os.path.join("docs", "smollm2_runs", f"sft120-seed{seed}", part)
+
+    seeds = [s for s in range(3) if os.path.isfile(os.path.join(ROOT, path(s, "grpo_process"), "metrics.jsonl"))]
+    return {arm: {s: {**read_run(path(s, arm)), "start": read_run(path(s, sft))["evals"][-1]} for s in seeds}
+            for arm, (_, sft) in SMOLLM2_ARMS.items()
+            if all(os.path.isfile(os.path.join(ROOT, path(s, arm), "metrics.jsonl")) for s in seeds)}
+
+
+def smollm2_minutes(seed: int, arm: str) -> float:
+    """A SmolLM2 run's own clock at its end (time/elapsed of its last line), in minutes."""
+    with open(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{seed}", arm, "metrics.jsonl"),
+              encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()][-1]["time/elapsed"] / 60
+
+
+def smollm2_table() -> str:
+    """SmolLM2: each arm's SFT start (its last held-out evaluation, greedy / sampled), its held-out sampled accuracy
+    at step 0 and step 30 (64 problems x 4), and the slip's error rate over training steps 21-30, per seed."""
+    runs = smollm2_runs()
+    if not runs:
+        return ""
+    seeds = list(runs["grpo_process"])
+    lines = [f"| arm (seeds {', '.join(map(str, seeds))}) | SFT start, greedy / sampled, per seed | sampled accuracy, "
+             "step 0 -> 30, per seed | mean at 30 | the first carrying line wrong, steps 21-30 (%), per seed |",
+             "| --- | --- | --- | --- | --- |"]
+    for arm, (name, _) in SMOLLM2_ARMS.items():
+        if arm not in runs:
+            continue
+        slip = ", ".join(f"{100 * mean(runs[arm][s]['series']['steps/carry_slip'][20:30]):.1f}" for s in seeds
+                         ) if "steps/carry_slip" in runs[arm][seeds[0]]["series"] else "not logged"
+        lines.append(f"| {name} | " + ", ".join(f"{runs[arm][s]['start']['greedy']:.1f} / "
+                                                 f"{runs[arm][s]['start']['sampled']:.1f}" for s in seeds)
+                     + " | " + ", ".join(f"{runs[arm][s]['evals'][0]['sampled']:.1f} -> "
+                                         f"{runs[arm][s]['evals'][-1]['sampled']:.1f}" for s in seeds)
+                     + f" | {mean([runs[arm][s]['evals'][-1]['sampled'] for s in seeds]):.1f} | {slip} |")
+    return "\n".join(lines)
+
+
+PROCESS_ROWS = [f"L{i}" for i in range(81, 97)]  # benchmarks/lessons.py's rows of the registered claims
 
 
 def claims_table() -> str:
@@ -281,9 +332,9 @@ def prose(data: dict) -> list[str]:
     n = sum(r["label_steps/all"] for r in runs)
     share = lambda name: sum(r[f"label_{name}/all"] * r["label_steps/all"] for r in runs) / n  # noqa: E731
     sentences = [f"pooled over the {len(runs)} seeds' {n:,.0f} line steps, the hard estimate agreed with the exact "
-                 f"label on {100 * share('agreement'):.1f}% of them; it called a right prefix wrong on "
-                 f"{100 * share('right_called_wrong'):.1f}% and a broken one right on "
-                 f"{100 * share('wrong_called_right'):.1f}%"]
+                 f"label on {100 * share('agreement'):.1f}% of them; {100 * share('right_called_wrong'):.1f}% of them "
+                 f"were right prefixes it called wrong and {100 * share('wrong_called_right'):.1f}% broken ones it "
+                 "called right"]
     bon = data["best_of_n"]
     best_N = {s: max(bon[s]["prm"]["best_of_n"], key=lambda N: bon[s]["prm"]["best_of_n"][N]["gold"]) for s in seeds}
     sentences.append("best of N by the PRM was right most often at N = " + ", ".join(best_N[s] for s in seeds)
@@ -313,7 +364,15 @@ def prose(data: dict) -> list[str]:
         + "; the mean of the seeds), against " + ", ".join(
             f"{mean(mean(data['arms'][arm][s]['series']['steps/per_completion'][:10]) for s in seeds):.2f}"
             for arm in grpo_arms) + " over steps 1-10")
-    for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93"):
+    smollm2_seeds = list(smollm2_runs().get("grpo_process", {}))
+    sentences += [] if not smollm2_seeds else ["a run of `grpo_process.py` on SmolLM2 took " + ", ".join(
+        f"{smollm2_minutes(seed, 'grpo_process'):.1f}" for seed in smollm2_seeds) + " minutes by its own clock "
+        f"(seeds {', '.join(map(str, smollm2_seeds))}; one thread, beside another run on the 2-core machine; "
+        "evaluations included)"]
+    for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93", "L94", "L95",
+                   "L96"):
+        if row_id not in rows:  # a SmolLM2 arm not run
+            continue
         row = rows[row_id]
         first = row["lesson"].split()[0]
         lesson = row["lesson"] if len(first) > 1 and first.isupper() else row["lesson"][0].lower() + row["lesson"][1:]

@@ -108,8 +108,9 @@ def step_kinds(question: str, completion: str) -> list[str]:
 
 def slip_step(question: str) -> int | None:
     """Where the careless teacher's slip sits, as an index into steps(): the first line that receives a carry or
-    pays a borrow back ('carry' / 'borrow' in step_kinds of the true answer); None when the problem has none
-    (a negative result's slip is its minus sign, in the answer step)."""
+    pays a borrow back ('carry' / 'borrow' in step_kinds of the true answer); None when the problem has none.
+    A negative result's teacher also drops the minus sign, in the answer step: a negative result with a borrow
+    (49-66) has both slips, and this returns the borrow's line."""
     truth = true_lines(question)
     if truth is None:
         return None
