@@ -472,8 +472,9 @@ def process_rows() -> list[dict]:
     slip_unit = "points of carrying sums whose first carrying line is wrong, mean of training steps 31-40"
     for i, (lesson, a, b, differs, claim, score) in enumerate((
             ("GRPO with process supervision (exact step labels) ends above its outcome twin", "grpo_outcome",
-             "grpo_process", "a reward per step (each normalised over the group's steps) instead of the answer "
-                             "step's alone, the same exact judge", "up", "final"),
+             "grpo_process", "a reward per step (each normalised over the group's steps, so the advantage grows with "
+                             "the number of steps) instead of the answer step's alone, the same exact judge", "up",
+             "final"),
             ("GRPO with process supervision gets the slip's line wrong less often than its outcome twin",
              "grpo_outcome", "grpo_process", "as the row above", "down", "slip"),
             ("PPO with a reward at each step's end (exact labels) ends above PPO with the checker's reward at the "
@@ -578,11 +579,13 @@ def smollm2_process_rows() -> list[dict]:
 
     unit = "points, final sampled accuracy (step 30, 64 held-out problems x 4)"
     rows = [dict(id="L95", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above the "
-                                  "outcome chain of benchmarks/smollm2.sh", where="docs/process.md",
+                                  "committed outcome chain (grpo.py, benchmarks/smollm2.sh)", where="docs/process.md",
                  arms="smollm2_runs/sft120-seed*: grpo -> grpo_process",
-                 differs="the supervision, and the chain's reward (correctness plus format instead of the outcome "
-                         "label) and its dynamic sampling (up to 6 rollouts a step, groups with spread only); the SFT "
-                         "start made again", unit=unit,
+                 differs="a reward per step (exact labels, normalised over the group's steps, summed over the steps "
+                         "after each token, so larger with more steps) instead of grpo.py's correctness (+-1) plus "
+                         "format (+1.25 or -1) per answer; no dynamic sampling (the chain drew up to 6 rollouts a "
+                         "step, groups with spread only); the SFT start made again (equal greedy evaluations, "
+                         "losses close, not bit for bit, its sampled evaluations drawn anew)", unit=unit,
                  **paired(final("grpo_process"), final("grpo"), "up", SMOLLM2, "measured, SmolLM2 64 x 4",
                           SMOLLM2_PROCESS_REGISTERED))]
     if all(os.path.isfile(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{s}", "grpo_outcome",
@@ -591,8 +594,9 @@ def smollm2_process_rows() -> list[dict]:
         rows[:0] = [dict(id="L94", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above "
                                           "its outcome twin", where="docs/process.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
-                         differs="a reward per step (each normalised over the group's steps) instead of the answer "
-                                 "step's alone, the same exact judge", unit=unit,
+                         differs="a reward per step (each normalised over the group's steps, so the advantage grows "
+                                 "with the number of steps) instead of the answer step's alone, the same exact judge",
+                         unit=unit,
                          **paired(final("grpo_process"), final("grpo_outcome"), "up", SMOLLM2,
                                   "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
         rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "

@@ -785,17 +785,19 @@ def test_async_page_and_readme_quote_the_committed_runs():
 
 
 def test_process_page_and_readme_quote_the_committed_runs():
-    """docs/process.md's tables (the RL arms, the PRMs, the labels' agreement, the selection, the claims as the
-    ledger reads them) and its sentences with numbers are what benchmarks/process_runs.py prints from the committed
-    docs/process_runs.json (3 seeds, 7 RL arms, two PRMs a seed, best-of-16 by two judges)."""
+    """docs/process.md's tables (the RL arms, the PRMs, the labels' agreement, the selection, SmolLM2's runs, the
+    claims as the ledger reads them) and its sentences with numbers are what benchmarks/process_runs.py prints from
+    the committed docs/process_runs.json (3 seeds, 7 RL arms, two PRMs a seed, best-of-16 by two judges) and
+    docs/smollm2_runs/sft120-seed0..2 (the process arm and the outcome chain, 3 seeds)."""
     process_runs = load_benchmark("process_runs")
     saved, page = json.loads(read("docs", "process_runs.json")), read("docs", "process.md")
     assert saved["seeds"] == [2, 3, 4] and list(saved["arms"]) == process_runs.RL_ARMS
     assert all(sorted(runs) == ["2", "3", "4"] for runs in saved["arms"].values())
     assert sorted(saved["prm"]) == sorted(saved["prm_estimated"]) == sorted(saved["best_of_n"]) == ["2", "3", "4"]
     for table in (process_runs.rl_table(saved), process_runs.prm_table(saved), process_runs.agreement_table(saved),
-                  process_runs.selection_table(saved), process_runs.claims_table()):
+                  process_runs.selection_table(saved), process_runs.smollm2_table(), process_runs.claims_table()):
         assert table in page, table.splitlines()[0]
+    assert list(process_runs.smollm2_runs()["grpo_process"]) == [0, 1, 2]
     text = " ".join(page.split())
     for sentence in process_runs.prose(saved):  # the page may start a sentence with it, capitalised
         assert sentence in text or sentence[0].upper() + sentence[1:] in text, sentence
