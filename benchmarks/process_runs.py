@@ -256,23 +256,21 @@ def smollm2_runs() -> dict:
             if all(os.path.isfile(os.path.join(ROOT, path(s, arm), "metrics.jsonl")) for s in seeds)}
 
 
-def smollm2_minutes(seed: int, arm: str) -> float:
-    """A SmolLM2 run's own clock at its end (time/elapsed of its last line), in minutes."""
+def smollm2_rows(seed: int, arm: str) -> list[dict]:
+    """The logged lines of docs/smollm2_runs/sft120-seed<seed>/<arm>/metrics.jsonl."""
     with open(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{seed}", arm, "metrics.jsonl"),
               encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()][-1]["time/elapsed"] / 60
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def smollm2_minutes(seed: int, arm: str) -> float:
+    """A SmolLM2 run's own clock at its end (time/elapsed of its last line), in minutes."""
+    return smollm2_rows(seed, arm)[-1]["time/elapsed"] / 60
 
 
 def smollm2_mean(seed: int, arm: str, key: str) -> float:
     """The mean over a SmolLM2 run's training steps of a logged value."""
-    with open(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{seed}", arm, "metrics.jsonl"),
-              encoding="utf-8") as f:
-        return mean([row.get(key) for row in map(json.loads, filter(str.strip, f)) if row["step"] > 0])
-
-
-def smollm2_final(run: str) -> float:
-    """A SmolLM2 chain's last held-out sampled accuracy (its grpo/ run), in points."""
-    return read_run(os.path.join("docs", "smollm2_runs", run, "grpo"))["evals"][-1]["sampled"]
+    return mean([row.get(key) for row in smollm2_rows(seed, arm) if row["step"] > 0])
 
 
 def smollm2_resolution() -> float:
@@ -387,6 +385,9 @@ def prose(data: dict) -> list[str]:
             f"{mean(mean(data['arms'][arm][s]['series']['steps/per_completion'][:10]) for s in seeds):.2f}"
             for arm in grpo_arms) + " over steps 1-10")
     smollm2_seeds = list(smollm2_runs().get("grpo_process", {}))
+    import lessons  # on the path since ledger() above
+
+    final = lessons.smollm2_final  # a SmolLM2 chain's last held-out sampled accuracy, in points
     sentences += [] if not smollm2_seeds else ["a run of `grpo_process.py` on SmolLM2 took " + ", ".join(
         f"{smollm2_minutes(seed, 'grpo_process'):.1f}" for seed in smollm2_seeds) + " minutes by its own clock "
         f"(seeds {', '.join(map(str, smollm2_seeds))}; one thread each, two runs at a time on the 2-core machine; "
@@ -395,7 +396,7 @@ def prose(data: dict) -> list[str]:
         + " rollouts a step on average (seeds " + ", ".join(map(str, smollm2_seeds)) + "), keeping only the groups "
         "whose rewards differ, where `grpo_process.py` drew one and kept every group",
         "the chain's reruns from the same recipe (`smollm2_runs/pass-at-k-seed*`, [real_models.md](real_models.md)) "
-        "ended " + ", ".join(f"{smollm2_final(f'pass-at-k-seed{seed}') - smollm2_final(f'sft120-seed{seed}'):+.1f}"
+        "ended " + ", ".join(f"{final(f'pass-at-k-seed{seed}') - final(f'sft120-seed{seed}'):+.1f}"
                              for seed in smollm2_seeds) + " points of held-out sampled accuracy from it",
         f"the rule shows a registered difference only if its mean is at least about {smollm2_resolution():.1f} points"]
     for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93", "L94", "L95",
