@@ -26,9 +26,10 @@ A step's reward r_i^(j) comes from one of two judges:
 completion's reward is its last step's, and every token gets its group-normalised value, grpo.py's step 3. The
 twins differ in the density of the signal and in what comes with it: the process advantage's size grows with the
 number of steps, and the normalisation pools steps, not answers (docs/process.md). The twin's reward is the
-outcome label (1 or 0), not grpo.py's correctness plus format, whose metrics (reward, rewards/*) are still logged
-for comparison; steps/reward is the judge's mean over all steps (what the process arm trains on; the twin trains on
-the answer steps' alone). Everything else is grpo.py's: its settings, its loop
+outcome label (1 or 0), not grpo.py's correctness plus format, whose metrics (reward, rewards/*, reward_std,
+accuracy, frac_reward_zero_std: groups whose grpo.py rewards are all equal) are still logged for comparison;
+steps/reward is the judge's mean over all steps (what the process arm trains on; the twin trains on the answer
+steps' alone). Everything else is grpo.py's: its settings, its loop
 (grpo.main, given process_advantages), its loss (grpo_loss, with a token's own advantage), its metrics; plus the
 step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry is wrong).
 

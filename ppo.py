@@ -73,7 +73,7 @@ class Config(harness.PolicyGradientConfig):
     """a reward at each step's end (lib/steps.py: a line of the worked answer, then the answer), not one at the last
     token: with --reward_model rule each step's exact label, +1 when every line so far is right (the answer step:
     the checker's) else -1; with a PRM folder (prm.py's), 2 p_j - 1 on the same scale (process_scores). The critic
-    then has a reward to learn between the last token's"""
+    then has rewards to predict before the last token"""
     cliprange: float = setting(0.2, lambda v: v > 0, "positive (the clip range of the ratio)")
     """clip range of the actor's ratio pi/pi_old"""
     cliprange_value: float = setting(0.2, lambda v: v > 0, "positive")

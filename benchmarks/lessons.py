@@ -484,11 +484,13 @@ def process_rows() -> list[dict]:
             ("PPO with step rewards gets the slip's line wrong less often than its outcome twin", "ppo_outcome",
              "ppo_process", "as the row above", "down", "slip"),
             ("GRPO with process supervision by the PRM ends below process supervision by the exact labels",
-             "grpo_process", "grpo_process_prm", "the judge: the PRM's p_j instead of the exact label",
+             "grpo_process", "grpo_process_prm", "the judge: the PRM's p_j instead of the exact label (and the PRM's "
+                                                 "reading at the answer step instead of the outcome label)",
              "down", "final"),
             ("GRPO with process supervision by the PRM ends above the PRM's answer step alone",
-             "grpo_outcome_prm", "grpo_process_prm", "a reward per step instead of the answer step's alone, the "
-                                                     "same PRM", "up", "final"),
+             "grpo_outcome_prm", "grpo_process_prm", "a reward per step (each normalised over the group's steps, so "
+                                                     "the advantage grows with the number of steps) instead of the "
+                                                     "answer step's alone, the same PRM", "up", "final"),
             ("PPO with step rewards by the PRM ends below PPO with the exact step labels", "ppo_process",
              "ppo_process_prm", "the judge: 2 p_j - 1 of the PRM instead of the exact label (and the PRM's "
                                 "reading at the answer step instead of the checker's)", "down", "final"))):

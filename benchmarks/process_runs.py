@@ -11,6 +11,7 @@ finished; a folder with an eval.json is finished and kept. What a job cost is in
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -344,6 +345,56 @@ def said(row: dict) -> str:
     return f"{row['verdict']}{holm} ([{row['id']}](lessons.md#{row['id'].lower()}))"
 
 
+def smollm2_start_sentences(seeds: list[int]) -> list[str]:
+    """The page's comparison of the SmolLM2 SFT starts made again with the committed ones, and the slip column's
+    coverage."""
+    def losses(seed, part):
+        return {row["step"]: row["loss"] for row in smollm2_rows(seed, part) if "loss" in row}
+
+    gap = max(abs(again[k] - committed[k]) / abs(committed[k]) for s in seeds
+              for committed, again in [(losses(s, "sft"), losses(s, "sft_again"))] for k in committed if k in again)
+    exponent = math.floor(math.log10(gap))
+    bound = f"{math.ceil(gap / 10 ** exponent)}e{exponent}"  # the largest relative difference, rounded up
+    runs = smollm2_runs()
+    starts = {s: [runs[arm][s]["evals"][0]["sampled"] for arm in ("grpo", "grpo_process")] for s in seeds}
+    equal = [s for s in seeds if starts[s][0] == starts[s][1]]
+    (other,) = [s for s in seeds if s not in equal]  # the sentence names one seed whose starts differ
+    answers = round(abs(starts[other][1] - starts[other][0]) / 100 * 256)
+    steps = [sum(v is not None for v in runs["grpo_process"][s]["series"]["steps/carry_slip"][20:30]) for s in seeds]
+    return [f"their logged training losses agree to a relative {bound} or closer, not bit for bit",
+            f"is equal for seeds {' and '.join(map(str, equal))} and differs for seed {other} "
+            f"({starts[other][0]:.1f} against {starts[other][1]:.1f}, "
+            + ("one answer" if answers == 1 else f"{answers} answers") + " in 256)",
+            "averaged over the steps that had any (" + ", ".join(map(str, steps[:-1])) + f" and {steps[-1]} of steps "
+            "21-30)"]
+
+
+def harm_sentences(data: dict, seeds: list[str]) -> list[str]:
+    """The page's description of the runs against the PRM whose accuracy fell (one seed's observations, no lesson)."""
+    def evals(arm, seed):
+        return data["arms"][arm][seed]["evals"]
+
+    fell = sorted((arm, s) for arm in data["arms"] for s in seeds if evals(arm, s)[-1]["sampled"] < evals(arm, s)[0][
+        "sampled"])
+    assert fell == [("grpo_outcome_prm", "2"), ("grpo_process_prm", "2")], fell  # the first sentence names these
+    ppo, twin, exact = evals("ppo_process_prm", "2"), evals("grpo_outcome_prm", "3"), evals("grpo_outcome", "3")
+    by_prm = [arm for arm in data["arms"] if arm.endswith("_prm")]
+    by_rule = [arm for arm in data["arms"] if not arm.endswith("_prm")]
+    below = [sum(evals(a, s)[-1]["greedy"] < evals(a, s)[0]["greedy"] for a in arms for s in seeds)
+             for arms in (by_prm, by_rule)]
+    return [
+        "seed 2's two GRPO runs against the PRM are the only runs whose held-out sampled accuracy at step 40 is below "
+        f"their start's (its PPO run against the PRM ended above it, {ppo[0]['sampled']:.1f} to "
+        f"{ppo[-1]['sampled']:.1f}, while its greedy accuracy fell, {ppo[0]['greedy']:.1f} to {ppo[-1]['greedy']:.1f})",
+        f"its outcome twin against the PRM fell from {twin[1]['sampled']:.1f} at step {twin[1]['step']} to "
+        f"{twin[-1]['sampled']:.1f} at step {twin[-1]['step']}, its greedy accuracy from {twin[0]['greedy']:.1f} to "
+        f"{twin[-1]['greedy']:.1f}, and it ended {exact[-1]['sampled'] - twin[-1]['sampled']:.1f} points below the "
+        f"same seed's twin against the exact judge ({twin[-1]['sampled']:.1f} against {exact[-1]['sampled']:.1f})",
+        f"of the {len(by_prm) * len(seeds)} runs against the PRM, {below[0]} ended below their start in greedy "
+        f"accuracy; of the {len(by_rule) * len(seeds)} runs rewarded by the rule (the exact labels or the checker), "
+        + ("none" if below[1] == 0 else str(below[1])) + " did"]
+
+
 def prose(data: dict) -> list[str]:
     """The page's sentences that carry numbers, each as printed here (tests/test_prose_numbers.py)."""
     seeds = [str(s) for s in data["seeds"]]
@@ -399,6 +450,7 @@ def prose(data: dict) -> list[str]:
         "ended " + ", ".join(f"{final(f'pass-at-k-seed{seed}') - final(f'sft120-seed{seed}'):+.1f}"
                              for seed in smollm2_seeds) + " points of held-out sampled accuracy from it",
         f"the rule shows a registered difference only if its mean is at least about {smollm2_resolution():.1f} points"]
+    sentences += harm_sentences(data, seeds) + (smollm2_start_sentences(smollm2_seeds) if smollm2_seeds else [])
     for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93", "L94", "L95",
                    "L96"):
         if row_id not in rows:  # a SmolLM2 arm not run
@@ -476,7 +528,8 @@ def plot(data: dict):
 def judges(sft: str, prm_folder: str, rm_folder: str, seed: int, output_dir: str):
     """The PRM (the minimum and the product of its steps' p_j) and the outcome reward model (its score at the last
     token) as classifiers of right and wrong answers, on the same answers: the SFT policy's 2 samples of each
-    held-out problem, labelled by the checker. Writes output_dir/eval.json (AUROC of each; the step accuracy)."""
+    held-out problem, labelled by the checker. Writes output_dir/eval.json (the AUROC of each, the share of right
+    answers, n)."""
     sys.path.insert(0, ROOT)
     import torch
 

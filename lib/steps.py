@@ -1,15 +1,16 @@
 """A completion's steps, their exact labels, and the token that ends each (process rewards, docs/process.md).
 
 An outcome reward judges the whole answer once; a process reward judges each step. On the shipped arithmetic a
-step is one line of the worked answer, one column of the sum (`7+5=12`, then `4+8+1=13`), and its truth is
-known: the line data/make_data.py's solver writes for that column. So each step can be labelled without a
-person (Lightman et al. 2023 paid people for PRM800K) and without sampling (Math-Shepherd, Wang et al. 2024,
-estimates labels by rollouts: prm.py's estimated_labels):
+step is one line of the worked answer, one column of the sum (`7+5=12`, then `4+8+1=13`) or the sign line of a
+negative result, and its truth is known: the line data/make_data.py's solver writes there. So each step can be
+labelled without a person (Lightman et al. 2023 paid people for PRM800K) and without sampling (Math-Shepherd,
+Wang et al. 2024, estimates labels by rollouts: prm.py's estimated_labels):
 
     steps(completion)            the lines inside <think>, then the answer step (the rest, up to the end)
-    exact_labels(q, completion)  per step 1 or 0: a line is right when it and every line before it are the
-                                 lines the solver writes for the question; the answer step is the outcome
-                                 (the checker's: the right number, the answer closed)
+    exact_labels(q, completion, answer)
+                                 per step 1 or 0: a line is right when it and every line before it are the
+                                 lines the solver writes for the question q; the answer step is the outcome
+                                 (the checker's against the answer: the right number, the answer closed)
     end_tokens(...)              the completion token that ends each step (a line's last character; the
                                  answer's last token): where a process reward model reads its score, and
                                  where PPO puts a step's reward
