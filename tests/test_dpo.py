@@ -343,16 +343,19 @@ def test_a_run_stopped_after_a_checkpoint_resumes_to_the_unbroken_result(sft_che
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["sigmoid", "kto"])
-def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint, tmp_path, loss_type):
+def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint, tmp_path):
     """Online DPO, and online KTO (whose reference point z0 sums over both processes' rows: a collective
-    each must join, or the run hangs), run under torchrun and end with the same weights on both."""
+    each must join, or the run hangs), run under torchrun and end with the same weights on both. Speed: the two
+    runs share one torchrun (one start-up: tests/helpers/ddp_same_weights.py with a runs file)."""
     from test_scale import HELPERS, torchrun
 
-    out = str(tmp_path / "dpo")
-    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "dpo", "--model", sft_checkpoint, "--online",
-                      "true", "--loss_type", loss_type, "--max_steps", "2", "--output_dir", out, *SHORT)
-    assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
-    rows = [row for row in read_metrics(out) if "loss" in row]
-    assert len(rows) == 2  # rank 0 alone wrote them
-    assert loss_type != "kto" or (rows[0]["kto/z0"] == 0.0 and rows[0]["loss"] == approx(0.5, terms=16))
+    loss_types = ["sigmoid", "kto"]
+    runs = [["dpo", "--model", sft_checkpoint, "--online", "true", "--loss_type", loss_type, "--max_steps", "2",
+             "--output_dir", str(tmp_path / loss_type), *SHORT] for loss_type in loss_types]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    printed = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), str(tmp_path / "runs.json")).stdout
+    for loss_type, output in zip(loss_types, printed.split("=== run ")[1:], strict=True):
+        assert "2 processes" in output and "identical" in output, (loss_type, output)
+        rows = [row for row in read_metrics(tmp_path / loss_type) if "loss" in row]
+        assert len(rows) == 2, loss_type  # rank 0 alone wrote them
+        assert loss_type != "kto" or (rows[0]["kto/z0"] == 0.0 and rows[0]["loss"] == approx(0.5, terms=16))

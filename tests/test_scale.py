@@ -47,22 +47,28 @@ def test_two_process_losses_and_gradients_equal_one_process(tmp_path, parallelis
     assert (wrong - right).abs().max().item() > 1000 * allowed  # the check above would catch it
 
 
+SAME_WEIGHT_RUNS = [  # script, its settings, the metrics lines it logs
+    ("grpo", ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"], 3),
+    ("sft", ["--model", "tiny", "--max_steps", "4", "--per_device_train_batch_size", "8"], 1),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script, args", [
-    ("grpo", ["--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "4"]),
-    ("sft", ["--model", "tiny", "--max_steps", "4", "--per_device_train_batch_size", "8"]),
-])
-def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_path, script, args):
-    out = str(tmp_path / script)
-    model = [] if "--model" in args else ["--model", sft_checkpoint]
-    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), script, *model, *args, "--output_dir", out,
-                      "--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1")
-    assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
-    # rank 0 alone wrote the outputs: one metrics line per logged step, not two
-    rows = [row for row in read_metrics(out) if "loss" in row]
-    assert len(rows) == (3 if script == "grpo" else 1)
-    with open(os.path.join(out, "eval.json")) as f:
-        assert json.load(f)["n"] == 8  # each process evaluated 4 problems; the counts were summed
+def test_torchrun_two_processes_end_with_identical_weights(sft_checkpoint, tmp_path):
+    """grpo.py and sft.py under torchrun: both processes end with the same weights, and rank 0 alone writes the
+    outputs. Speed: the runs share one torchrun (one start-up, tests/helpers/ddp_same_weights.py with a runs file)."""
+    runs = [[script, *([] if "--model" in args else ["--model", sft_checkpoint]), *args, "--output_dir",
+             str(tmp_path / script), "--eval_steps", "100", "--num_eval_examples", "8", "--warmup_steps", "1"]
+            for script, args, _ in SAME_WEIGHT_RUNS]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    printed = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), str(tmp_path / "runs.json")).stdout
+    for (script, _, logged), output in zip(SAME_WEIGHT_RUNS, printed.split("=== run ")[1:], strict=True):
+        assert "2 processes" in output and "identical" in output, (script, output)
+        # rank 0 alone wrote the outputs: one metrics line per logged step, not two
+        rows = [row for row in read_metrics(tmp_path / script) if "loss" in row]
+        assert len(rows) == logged, script
+        with open(tmp_path / script / "eval.json") as f:
+            assert json.load(f)["n"] == 8, script  # each process evaluated 4 problems; the counts were summed
 
 
 def test_each_process_leaves_the_process_group_as_it_exits(tmp_path):
@@ -383,7 +389,7 @@ def test_lora_rl_step_needs_less_memory_than_full_fine_tuning(tmp_path):
             "print('PEAK_KB', next(line.split()[1] for line in open('/proc/self/status') if line.startswith('VmHWM')))"
         )
         args = ["--model", folder, "--output_dir", str(tmp_path / name), "--max_steps", "1",
-                "--per_device_train_batch_size", "16", "--num_generations", "4", "--max_completion_length", "16",
+                "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "16",
                 "--eval_steps", "100", "--num_eval_examples", "2", "--eval_on_start", "false", *extra]
         result = subprocess.run([sys.executable, "-c", code, "grpo.py", *args], cwd=ROOT, capture_output=True,
                                 text=True, timeout=600, env=env)
