@@ -27,24 +27,26 @@ def torchrun(*args, nproc=2):
 
 # --- torchrun ----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_process_losses_and_gradients_equal_one_process(tmp_path, parallelism):
+def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
     """Token means over the global batch: 2 processes on halves of a batch (3 and 21 tokens) give
     the loss and the averaged gradient of 1 process on all of it, for every loss of the scripts,
     to float32 rounding: with data parallelism (average_gradients) and with the model sharded
     (FSDP reduces the gradients, each process keeps its shard; gathered here to compare).
-    A per-process token mean (the usual mistake) misses by orders of magnitude."""
+    A per-process token mean (the usual mistake) misses by orders of magnitude. Speed: both
+    parallelisms in one torchrun (one start-up)."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run(os.path.join(HELPERS, "ddp_losses.py"), one)
-    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, *(["--fsdp"] if parallelism == "fsdp" else []))
-    one, two = torch.load(one), torch.load(two)
-    for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor", "mix_dapo"):
-        # each gradient entry sums over the batch's positions (and the two halves add in another order)
-        assert_close(two[name]["loss"], one[name]["loss"], terms=one[name]["terms"], msg=name)
-        assert_close(two[name]["grad"], one[name]["grad"], terms=one[name]["terms"], msg=name)
-    wrong, right = two["dapo_local_mean"]["grad"], one["dapo_local_mean"]["grad"]
-    allowed = tolerance(one["dapo_local_mean"]["terms"], right.abs().max().item())
-    assert (wrong - right).abs().max().item() > 1000 * allowed  # the check above would catch it
+    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, "--fsdp")
+    one = torch.load(one)["ddp"]
+    for parallelism, two_processes in torch.load(two).items():
+        for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor", "mix_dapo"):
+            # each gradient entry sums over the batch's positions (and the two halves add in another order)
+            label = f"{parallelism}: {name}"
+            assert_close(two_processes[name]["loss"], one[name]["loss"], terms=one[name]["terms"], msg=label)
+            assert_close(two_processes[name]["grad"], one[name]["grad"], terms=one[name]["terms"], msg=label)
+        wrong, right = two_processes["dapo_local_mean"]["grad"], one["dapo_local_mean"]["grad"]
+        allowed = tolerance(one["dapo_local_mean"]["terms"], right.abs().max().item())
+        assert (wrong - right).abs().max().item() > 1000 * allowed, parallelism  # the check above would catch it
 
 
 SAME_WEIGHT_RUNS = [  # script, its settings, the metrics lines it logs

@@ -1,10 +1,11 @@
 """Losses and gradients of one fixed batch, computed by 1 process on all of it or by N processes
-(torchrun) on N slices of it, then averaged as in training. Saves them (rank 0) to argv[1].
+(torchrun) on N slices of it, then averaged as in training. Saves them (rank 0) to argv[1]: {"ddp": ...} and,
+with --fsdp (argv[2]), {"fsdp": ...} too, from the same processes.
 
 The rows have very different completion lengths, so a token mean over each slice would differ
 from the token mean over the batch: only the global normalisation (common.mean_denominator) agrees.
 "dapo_local_mean" is the mistake the test must catch: each process divides by its own token count.
-With --fsdp (argv[2]) the model is sharded (distributed.shard_model) and FSDP reduces the gradients."""
+Under "fsdp" the model is sharded (distributed.shard_model) and FSDP reduces the gradients."""
 import os
 import sys
 
@@ -19,11 +20,7 @@ import ppo  # noqa: E402
 import sft  # noqa: E402
 
 rank, world_size = distributed.setup()
-torch.manual_seed(0)
 tokenizer = common.build_tokenizer()
-model = common.build_tiny_model(tokenizer)
-if sys.argv[2:] == ["--fsdp"]:
-    distributed.shard_model(model)
 lengths = [1, 2, 9, 12]  # short completions first: with 2 processes, rank 0 gets 3 tokens, rank 1 gets 21
 examples = [(tokenizer(f"<|im_start|>user\nWhat is {i} + {i}?", add_special_tokens=False)["input_ids"],
              list(range(40, 40 + n)))
@@ -51,14 +48,20 @@ def whole(grad):
 
 
 results = {}
-for name, loss_fn in losses.items():
-    model.zero_grad(set_to_none=True)
-    logprobs = rollout.completion_logprobs(model, input_ids[share], attention_mask[share], mask.shape[1])
-    loss = loss_fn(logprobs, mask[share], advantages[share])
-    loss.backward()
-    distributed.average_gradients(model)
-    results[name] = {"loss": common.global_sum(loss.item()) / world_size,
-                     "grad": torch.cat([whole(p.grad).flatten() for p in model.parameters()]),
-                     "terms": input_ids.numel()}  # positions summed into a weight's gradient
+for parallelism in ["ddp", "fsdp"] if sys.argv[2:] == ["--fsdp"] else ["ddp"]:
+    torch.manual_seed(0)
+    model = common.build_tiny_model(tokenizer)  # the same weights for both
+    if parallelism == "fsdp":
+        distributed.shard_model(model)
+    results[parallelism] = {}
+    for name, loss_fn in losses.items():
+        model.zero_grad(set_to_none=True)
+        logprobs = rollout.completion_logprobs(model, input_ids[share], attention_mask[share], mask.shape[1])
+        loss = loss_fn(logprobs, mask[share], advantages[share])
+        loss.backward()
+        distributed.average_gradients(model)
+        results[parallelism][name] = {"loss": common.global_sum(loss.item()) / world_size,
+                                      "grad": torch.cat([whole(p.grad).flatten() for p in model.parameters()]),
+                                      "terms": input_ids.numel()}  # positions summed into a weight's gradient
 if distributed.is_main_process():
     torch.save(results, sys.argv[1])
