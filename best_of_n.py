@@ -1,8 +1,9 @@
 """Best-of-N, majority vote and pass@k: what sampling N answers and keeping one buys, with a judge or without.
 
 Sample N answers to each held-out problem at temperature 1 (rollout.generate), grade each with the
-checker (gold: right or wrong) and score it with a judge (proxy: the checker itself, or a reward
-model written by reward_model.py), then read three things off the same samples:
+checker (gold: right or wrong) and score it with a judge (proxy: the checker itself, a reward model
+written by reward_model.py, or a process reward model written by prm.py, its steps' scores joined by
+--prm_aggregate: docs/process.md), then read these off the same samples:
 
   1. pass@k (Chen et al. 2021, eq. 1): the chance that at least one of k answers is right. With c of n
      samples right, drawn k at a time without replacement: pass@k = 1 - C(n - c, k) / C(n, k).
@@ -24,6 +25,7 @@ model written by reward_model.py), then read three things off the same samples:
 
     python best_of_n.py --model out/grpo                          # pass@k, best-of-N by the checker
     python best_of_n.py --model out/sft --judge out/rm            # best-of-N by the reward model: gold vs proxy
+    python best_of_n.py --model out/sft --judge out/prm           # best-of-N by the process reward model
     python best_of_n.py --model out/sft --num_samples 16 --num_eval_examples 100   # a quick look
 
 Writes eval.json (pass@k and maj@k for k = 1, 2, 4, ..., N; best-of-N's gold, proxy and KL for each N;

@@ -29,9 +29,10 @@ number of steps, and the normalisation pools steps, not answers (docs/process.md
 outcome label (1 or 0), not grpo.py's correctness plus format, whose metrics (reward, rewards/*, reward_std,
 accuracy, frac_reward_zero_std: groups whose grpo.py rewards are all equal) are still logged for comparison;
 steps/reward is the judge's mean over all steps (what the process arm trains on; the twin trains on the answer
-steps' alone). Everything else is grpo.py's: its settings, its loop
-(grpo.main, given process_advantages), its loss (grpo_loss, with a token's own advantage), its metrics; plus the
-step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry is wrong).
+steps' alone). Everything else is grpo.py's: its settings, its loop (grpo.main, given step_advantages:
+process_advantages, or outcome_advantages for the twin), its loss (grpo_loss, with a token's own advantage), its
+metrics; plus the step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry
+is wrong).
 
     python grpo_process.py                                         # exact step labels: out/sft -> out/grpo_process
     python grpo_process.py --process_supervision false             # the outcome twin, same judge

@@ -479,7 +479,9 @@ def process_rows() -> list[dict]:
              "grpo_outcome", "grpo_process", "as the row above", "down", "slip"),
             ("PPO with a reward at each step's end (exact labels) ends above PPO with the checker's reward at the "
              "last token", "ppo_outcome", "ppo_process", "a +-1 reward at each step's end instead of one at the "
-                                                         "last token (the critic starts from the PRM in both)",
+                                                         "last token, so the return grows with the number of steps "
+                                                         "and a wrong answer with right lines can return more than "
+                                                         "0 (the critic starts from the PRM in both)",
              "up", "final"),
             ("PPO with step rewards gets the slip's line wrong less often than its outcome twin", "ppo_outcome",
              "ppo_process", "as the row above", "down", "slip"),
@@ -585,8 +587,8 @@ def smollm2_process_rows() -> list[dict]:
                  arms="smollm2_runs/sft120-seed*: grpo -> grpo_process",
                  differs="a reward per step (exact labels, normalised over the group's steps, summed over the steps "
                          "after each token, so larger with more steps) instead of grpo.py's correctness (+-1) plus "
-                         "format (+1.25 or -1) per answer; no dynamic sampling (the chain drew up to 6 rollouts a "
-                         "step, groups with spread only); the SFT start made again (equal greedy evaluations, "
+                         "format (+1.25 or -1) per answer; no dynamic sampling (the chain drew up to 6 sampling "
+                         "rounds a step, groups with spread only); the SFT start made again (equal greedy evaluations, "
                          "losses close, not bit for bit, its sampled evaluations drawn anew)", unit=unit,
                  **paired(final("grpo_process"), final("grpo"), "up", SMOLLM2, "measured, SmolLM2 64 x 4",
                           SMOLLM2_PROCESS_REGISTERED))]
@@ -777,7 +779,7 @@ def lessons() -> list[dict]:
         dict(id="L41", lesson="SmolLM2 with the calculator ends above its best chain without one",
              where="docs/agent.md (a real model)", arms="sft120-seed0's GRPO -> agent_smollm2/seed0's agent",
              differs="three things: the SFT data (half the demonstrations call), the calculator, and GRPO's "
-                     "dynamic sampling (up to 6 rollouts a step, which agent.py does not have)",
+                     "dynamic sampling (up to 6 sampling rounds a step, which agent.py does not have)",
              unit="points, final sampled accuracy (64 problems x 4)",
              **paired({0: agent_smollm2_final()}, {0: smollm2_final("sft120-seed0")}, "up", SMOLLM2,
                       "measured, SmolLM2 64 x 4")),

@@ -380,19 +380,21 @@ def harm_sentences(data: dict, seeds: list[str]) -> list[str]:
     ppo, twin, exact = evals("ppo_process_prm", "2"), evals("grpo_outcome_prm", "3"), evals("grpo_outcome", "3")
     by_prm = [arm for arm in data["arms"] if arm.endswith("_prm")]
     by_rule = [arm for arm in data["arms"] if not arm.endswith("_prm")]
-    below = [sum(evals(a, s)[-1]["greedy"] < evals(a, s)[0]["greedy"] for a in arms for s in seeds)
+    below = [[(a, s) for a in arms for s in seeds if evals(a, s)[-1]["greedy"] < evals(a, s)[0]["greedy"]]
              for arms in (by_prm, by_rule)]
+    seed_2 = sum(s == "2" for _, s in below[0])
     return [
         "seed 2's two GRPO runs against the PRM are the only runs whose held-out sampled accuracy at step 40 is below "
         f"their start's (its PPO run against the PRM ended above it, {ppo[0]['sampled']:.1f} to "
         f"{ppo[-1]['sampled']:.1f}, while its greedy accuracy fell, {ppo[0]['greedy']:.1f} to {ppo[-1]['greedy']:.1f})",
         f"its outcome twin against the PRM fell from {twin[1]['sampled']:.1f} at step {twin[1]['step']} to "
-        f"{twin[-1]['sampled']:.1f} at step {twin[-1]['step']}, its greedy accuracy from {twin[0]['greedy']:.1f} to "
-        f"{twin[-1]['greedy']:.1f}, and it ended {exact[-1]['sampled'] - twin[-1]['sampled']:.1f} points below the "
-        f"same seed's twin against the exact judge ({twin[-1]['sampled']:.1f} against {exact[-1]['sampled']:.1f})",
-        f"of the {len(by_prm) * len(seeds)} runs against the PRM, {below[0]} ended below their start in greedy "
-        f"accuracy; of the {len(by_rule) * len(seeds)} runs rewarded by the rule (the exact labels or the checker), "
-        + ("none" if below[1] == 0 else str(below[1])) + " did"]
+        f"{twin[-1]['sampled']:.1f} at step {twin[-1]['step']}, its greedy accuracy from {twin[0]['greedy']:.1f} at "
+        f"step 0 ({twin[1]['greedy']:.1f} at step {twin[1]['step']}) to {twin[-1]['greedy']:.1f}, and it ended "
+        f"{exact[-1]['sampled'] - twin[-1]['sampled']:.1f} points below the same seed's twin against the exact judge "
+        f"({twin[-1]['sampled']:.1f} against {exact[-1]['sampled']:.1f})",
+        f"of the {len(by_prm) * len(seeds)} runs against the PRM, {len(below[0])} ended below their start in greedy "
+        f"accuracy ({seed_2} of them seed 2's); of the {len(by_rule) * len(seeds)} runs rewarded by the rule (the "
+        "exact labels or the checker), " + ("none" if not below[1] else str(len(below[1]))) + " did"]
 
 
 def prose(data: dict) -> list[str]:
@@ -444,8 +446,8 @@ def prose(data: dict) -> list[str]:
         f"(seeds {', '.join(map(str, smollm2_seeds))}; one thread each, two runs at a time on the 2-core machine; "
         "evaluations included), not comparable with the chain's clocks (two threads, alone)",
         "drew " + ", ".join(f"{smollm2_mean(seed, 'grpo', 'dynamic_sampling/rounds'):.2f}" for seed in smollm2_seeds)
-        + " rollouts a step on average (seeds " + ", ".join(map(str, smollm2_seeds)) + "), keeping only the groups "
-        "whose rewards differ, where `grpo_process.py` drew one and kept every group",
+        + " sampling rounds (of 8 prompts x 4) a step on average (seeds " + ", ".join(map(str, smollm2_seeds))
+        + "), keeping only the groups whose rewards differ, where `grpo_process.py` drew one and kept every group",
         "the chain's reruns from the same recipe (`smollm2_runs/pass-at-k-seed*`, [real_models.md](real_models.md)) "
         "ended " + ", ".join(f"{final(f'pass-at-k-seed{seed}') - final(f'sft120-seed{seed}'):+.1f}"
                              for seed in smollm2_seeds) + " points of held-out sampled accuracy from it",

@@ -1,8 +1,8 @@
 """A completion's steps, their exact labels, and the token that ends each (process rewards, docs/process.md).
 
 An outcome reward judges the whole answer once; a process reward judges each step. On the shipped arithmetic a
-step is one line of the worked answer, one column of the sum (`7+5=12`, then `4+8+1=13`) or the sign line of a
-negative result, and its truth is known: the line data/make_data.py's solver writes there. So each step can be
+step is one line of the worked answer, one column of the sum or difference (`7+5=12`, then `4+8+1=13`) or the sign
+line of a negative result, and its truth is known: the line data/make_data.py's solver writes there. So each step can be
 labelled without a person (Lightman et al. 2023 paid people for PRM800K) and without sampling (Math-Shepherd,
 Wang et al. 2024, estimates labels by rollouts: prm.py's estimated_labels):
 
