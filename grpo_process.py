@@ -32,7 +32,7 @@ steps/reward is the judge's mean over all steps (what the process arm trains on;
 steps' alone). Everything else is grpo.py's: its settings, its loop (grpo.main, given step_advantages:
 process_advantages, or outcome_advantages for the twin), its loss (grpo_loss, with a token's own advantage), its
 metrics; plus the step metrics (steps/carry_slip: how often the line where the careless teacher forgot the carry
-is wrong).
+is wrong, among rollouts whose lines are right up to it).
 
     python grpo_process.py                                         # exact step labels: out/sft -> out/grpo_process
     python grpo_process.py --process_supervision false             # the outcome twin, same judge

@@ -384,6 +384,7 @@ class Experience:
     ref_logprobs: torch.Tensor  # [B, T] pi_ref
     old_values: torch.Tensor  # [B, T] V_old
     rewards: torch.Tensor  # [B, T] -kl_coef * (logp - ref_logp), plus the clipped score on the last token
+    # (with --process_rewards, each step's reward on the token that ends the step)
     advantages: torch.Tensor  # [B, T] GAE's, whitened with --whiten_advantages
     returns: torch.Tensor  # [B, T] the critic's targets
     first_pass: Pass | None  # the only update's training pass, run already (makes_one_update), or None

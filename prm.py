@@ -252,8 +252,8 @@ def held_out(model, rows, kinds, outcome_model, pad_id: int, batch_size: int) ->
 def agreement(estimated: list[list[float]], exact: list[list[int]], kinds: list[list[str]]) -> dict:
     """How often Math-Shepherd's estimate (above 1/2) agrees with the exact label over the training answers' line
     steps, by kind of step, with its two errors: a broken prefix estimated right ('wrong_called_right', a reward
-    the PRM will learn to give to a slip) and a right one estimated wrong ('right_called_wrong': every
-    continuation slipped later). {'label_agreement/carry': share, ..., 'label_steps/carry': count, ...}"""
+    the PRM will learn to give to a slip) and a right one estimated wrong ('right_called_wrong': no
+    continuation ended right). {'label_agreement/carry': share, ..., 'label_steps/carry': count, ...}"""
     table = {}
     for est, ex, kd in zip(estimated, exact, kinds):
         for e, x, k in zip(est[:-1], ex[:-1], kd[:-1]):

@@ -469,7 +469,8 @@ def entropy_change() -> dict:
 def process_rows() -> list[dict]:
     """The registered claims of benchmarks/process_claims.md (C1-C8, S1-S3, L1-L2), read from process_runs.json."""
     rows, final_unit = [], "points, final sampled accuracy (step 40)"
-    slip_unit = "points of carrying sums whose first carrying line is wrong, mean of training steps 31-40"
+    slip_unit = ("points of carrying sums whose first carrying line is wrong (among rollouts whose lines are right up "
+                 "to it), mean of training steps 31-40")
     for i, (lesson, a, b, differs, claim, score) in enumerate((
             ("GRPO with process supervision (exact step labels) ends above its outcome twin", "grpo_outcome",
              "grpo_process", "a reward per step (each normalised over the group's steps, so the advantage grows with "

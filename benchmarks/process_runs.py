@@ -318,7 +318,8 @@ def claims_table() -> str:
 
     rows = lessons.lessons()
     lessons.holm(rows)
-    lines = ["| row | claim, registered before the runs | per seed | mean [95% interval] | verdict | after Holm |",
+    lines = ["| row | claim, registered before the runs (the SmolLM2 chain's arm, L95's A, had run before) | per seed "
+             "| mean [95% interval] | verdict | after Holm |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if row["id"] in PROCESS_ROWS:

@@ -85,8 +85,8 @@ def exact_labels(question: str, completion: str, answer: str) -> list[int]:
 def line_labels(question: str, completion: str) -> list[int]:
     """Each line judged alone (1 when it equals the solver's line at its place, whatever came before), without
     the answer step. Not what PRM800K's labellers gave (Lightman et al.: each step rated in the context of those
-    before it, no labels after the first error: exact_labels' structure, with correctness as the criterion where
-    exact_labels asks for the solver's text). Not a training label here."""
+    before it, no labels after the first error: exact_labels' structure up to the first error, with correctness as
+    the criterion where exact_labels asks for the solver's text). Not a training label here."""
     truth = true_lines(question) or []
     return [int(j < len(truth) and text == truth[j]) for j, (text, _) in enumerate(steps(completion)[:-1])]
 
