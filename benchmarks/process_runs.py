@@ -371,7 +371,8 @@ def smollm2_start_sentences(seeds: list[int]) -> list[str]:
 
 
 def harm_sentences(data: dict, seeds: list[str]) -> list[str]:
-    """The page's description of the runs against the PRM whose accuracy fell (one seed's observations, no lesson)."""
+    """The page's description of the runs against the PRM whose accuracy fell (descriptions, not registered: no
+    lesson)."""
     def evals(arm, seed):
         return data["arms"][arm][seed]["evals"]
 
