@@ -13,6 +13,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -319,9 +320,15 @@ def load_gguf(path: str, scalar_head: bool = False):
         if f.read(4) != b"GGUF":  # every GGUF file starts with these 4 bytes
             fail(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
     try:
-        import gguf  # noqa: F401  (transformers reads the file with it)
+        import gguf  # transformers reads the file with it
     except ImportError:
         fail(f"reading {path} needs the gguf package: pip install gguf")
+    # Speed: transformers asks gguf for its table of tensor names once per submodule of the model (about 400
+    # times for SmolLM2, half of a 28 s load on one core); the table depends on the architecture and the
+    # number of layers alone, so it is built once per pair. The weights loaded are the same
+    # (tests/test_gguf.py compares them with transformers' load without the cache).
+    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
+        gguf.get_tensor_name_map = functools.lru_cache(gguf.get_tensor_name_map)
     path = os.path.abspath(path)
     folder, file = os.path.split(path)
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
