@@ -158,11 +158,12 @@ def binomial_noise(*arms: tuple[dict, int]) -> float:
 
 
 def step_noise(b: list[list[float]], a: list[list[float]], scale: float = 1000.0) -> float:
-    """s0 of the difference of two means of the last 10 steps of a training statistic (the entropy), from the
-    runs' own step-to-step scatter: each run's variance per step is half the mean squared difference of
-    successive steps 31-40 (von Neumann's estimator: a slow drift of b a step adds only b^2 / 2; it takes the
-    steps as independent draws), so its 10-step mean carries that / 10; summed over the two arms, then the root
-    mean square over the seeds. In millinats (scale: nats to millinats)."""
+    """s0 of the difference of two means of the last (up to) 10 logged steps of a training statistic (the entropy of
+    steps 31-40; the slip's share of the steps 21-30 that logged one), from the runs' own step-to-step scatter:
+    each run's variance per step is half the mean squared difference of successive logged steps (von Neumann's
+    estimator: a slow drift of b a step adds only b^2 / 2; it takes the steps as independent draws), so its mean
+    over those steps carries that / their number; summed over the two arms, then the root mean square over the
+    seeds. In the score's unit (scale: from the logged one, nats to millinats by default)."""
     def var_of_mean(steps: list[float]) -> float:
         last = [scale * e for e in steps[-10:]]
         return statistics.fmean((y - x) ** 2 for x, y in zip(last, last[1:])) / 2 / len(last)
@@ -607,8 +608,8 @@ def smollm2_process_rows() -> list[dict]:
         rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "
                                           "often than its outcome twin", where="docs/process.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process", differs="as L94",
-                         unit="points of carrying sums whose first carrying line is wrong, mean of training steps "
-                              "21-30",
+                         unit="points of carrying sums whose first carrying line is wrong (among rollouts whose "
+                              "lines are right up to it), mean of the training steps 21-30 that had any",
                          **paired({s: statistics.fmean(v) for s, v in process.items()},
                                   {s: statistics.fmean(v) for s, v in outcome.items()}, "down",
                                   step_noise([process[s] for s in seeds], [outcome[s] for s in seeds], 1.0),
@@ -1063,9 +1064,10 @@ def page() -> str:
         "  evaluated twice (the same weights, new random draws), it is measured: the tiny model's 500 problems",
         f"  x 4 samples differ by {', '.join(f'{d:+.2f}' for d in tiny)} points (root mean square",
         f"  {TINY:.2f}), SmolLM2's 64 x 4 by {', '.join(f'{d:+.2f}' for d in big)} (root mean square {SMOLLM2:.2f}).",
-        "  A training statistic (the entropy of steps 31-40) takes each run's step-to-step scatter. Any other",
-        "  score takes the binomial bound at its own size and level, p(1 - p) / draws for each arm (over a fixed",
-        "  set of problems the variance is the mean of p_i (1 - p_i) / draws, never more): a subset of problems",
+        "  A training statistic (the entropy of steps 31-40, a slip's share) takes each run's step-to-step",
+        "  scatter. Any other score takes the binomial bound at its own size and level, p(1 - p) / draws for",
+        "  each arm (over a fixed set of problems the variance is the mean of p_i (1 - p_i) / draws, never",
+        "  more): a subset of problems",
         "  and call rates have their own. A score read off k of n samples per problem (pass@k, a vote, a pick,",
         "  averaged over the k-subsets of the same n) counts problems x n / k draws: the variance of such an",
         "  average (a U-statistic of order k) is at most k / n of one draw's (Hoeffding 1948). Each row names its",

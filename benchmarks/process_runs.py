@@ -370,6 +370,31 @@ def smollm2_start_sentences(seeds: list[int]) -> list[str]:
             "21-30)"]
 
 
+def smollm2_twin_sentences(seeds: list[int], rows: dict) -> list[str]:
+    """The page's sentences on SmolLM2's outcome twin (descriptions beside the registered rows L94-L96): where it
+    ended against the committed chain, how often each arm's gradient was clipped (its norm above
+    --max_grad_norm 1, harness.py's default, which smollm2_settings.sh keeps), the twin's clocks, and the mean
+    difference the rule would need to show L96 (as smollm2_resolution, with L96's own measured scatter)."""
+    runs = smollm2_runs()
+    final = {arm: {s: runs[arm][s]["evals"][-1]["sampled"] for s in seeds} for arm in ("grpo", "grpo_outcome")}
+
+    def clipped(arm: str) -> str:
+        counts = [sum(row["grad_norm"] > 1.0 for row in smollm2_rows(s, arm) if "grad_norm" in row) for s in seeds]
+        return ", ".join(map(str, counts))
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import lessons
+
+    needed = lessons.t_quantile(0.95, 2) * rows["L96"]["noise"] / 3 ** 0.5
+    return ["the twin ended " + ", ".join(f"{final['grpo_outcome'][s] - final['grpo'][s]:+.1f}" for s in seeds)
+            + " points from the chain at step 30 (seeds " + ", ".join(map(str, seeds)) + ")",
+            "the gradient's norm was above 1, so clipped, on " + clipped("grpo_process") + " of the process arm's 30 "
+            "steps and on " + clipped("grpo_outcome") + " of the twin's",
+            "the twin's runs, three at a time, took " + ", ".join(
+                f"{smollm2_minutes(s, 'grpo_outcome'):.1f}" for s in seeds) + " minutes by their own clocks",
+            f"a registered difference in the slip's share would need a mean of about {needed:.0f} points"]
+
+
 def harm_sentences(data: dict, seeds: list[str]) -> list[str]:
     """The page's description of the runs against the PRM whose accuracy fell (descriptions, not registered: no
     lesson)."""
@@ -453,8 +478,11 @@ def prose(data: dict) -> list[str]:
         "the chain's reruns from the same recipe (`smollm2_runs/pass-at-k-seed*`, [real_models.md](real_models.md)) "
         "ended " + ", ".join(f"{final(f'pass-at-k-seed{seed}') - final(f'sft120-seed{seed}'):+.1f}"
                              for seed in smollm2_seeds) + " points of held-out sampled accuracy from it",
-        f"the rule shows a registered difference only if its mean is at least about {smollm2_resolution():.1f} points"]
+        f"the rule shows a registered difference in final accuracy only if its mean is at least about "
+        f"{smollm2_resolution():.1f} points"]
     sentences += harm_sentences(data, seeds) + (smollm2_start_sentences(smollm2_seeds) if smollm2_seeds else [])
+    if "grpo_outcome" in smollm2_runs():  # the SmolLM2 twin, where it was run
+        sentences += smollm2_twin_sentences(smollm2_seeds, rows)
     for row_id in ("L81", "L82", "L83", "L84", "L85", "L86", "L87", "L89", "L90", "L91", "L92", "L93", "L94", "L95",
                    "L96"):
         if row_id not in rows:  # a SmolLM2 arm not run

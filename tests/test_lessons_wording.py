@@ -54,6 +54,8 @@ HELP_REF = re.compile(r"lessons\.md,? L(\d+)")
 NOT_LESSONS = {  # (page, the sentence's first words): why it is no lesson of the ledger
     ("docs/agent.md", "A call is worth its price when"): "arithmetic of the reward",
     ("docs/process.md", "Seed 3's PRM ranked answers worst"): "one seed's runs, described, not registered",
+    ("docs/process.md", "The outcome twin, which has no step rewards, ended"): "the SmolLM2 twin's runs against the "
+    "chain, described beside L95, not registered",
     ("docs/classic_rlhf.md", "One thread adds floats"): "the float order's effect on one SFT run, described",
     ("docs/classic_rlhf.md", "(Each sampled accuracy is a mean"): "one seed's training metrics, described",
     ("docs/classic_rlhf.md", "Its held-out accuracy rose to step 40"): "one run's curve (how the defaults were "
