@@ -467,6 +467,10 @@ def entropy_change() -> dict:
     return {run["seed"]: statistics.fmean(run["entropy"][-10:]) - run["entropy"][0] for run in ENTROPY["base"]}
 
 
+STEP_REWARDS = ("a reward per step (each normalised over the group's steps; a token's advantage the sum over the steps "
+                "at or after it, so larger with more steps) instead of the answer step's alone")  # process vs twin
+
+
 def process_rows() -> list[dict]:
     """The registered claims of benchmarks/process_claims.md (C1-C8, S1-S3, L1-L2), read from process_runs.json."""
     rows, final_unit = [], "points, final sampled accuracy (step 40)"
@@ -474,8 +478,7 @@ def process_rows() -> list[dict]:
                  "to it), mean of training steps 31-40")
     for i, (lesson, a, b, differs, claim, score) in enumerate((
             ("GRPO with process supervision (exact step labels) ends above its outcome twin", "grpo_outcome",
-             "grpo_process", "a reward per step (each normalised over the group's steps, so the advantage grows with "
-                             "the number of steps) instead of the answer step's alone, the same exact judge", "up",
+             "grpo_process", STEP_REWARDS + ", the same exact judge", "up",
              "final"),
             ("GRPO with process supervision gets the slip's line wrong less often than its outcome twin",
              "grpo_outcome", "grpo_process", "as the row above", "down", "slip"),
@@ -492,9 +495,7 @@ def process_rows() -> list[dict]:
                                                  "reading at the answer step instead of the outcome label)",
              "down", "final"),
             ("GRPO with process supervision by the PRM ends above the PRM's answer step alone",
-             "grpo_outcome_prm", "grpo_process_prm", "a reward per step (each normalised over the group's steps, so "
-                                                     "the advantage grows with the number of steps) instead of the "
-                                                     "answer step's alone, the same PRM", "up", "final"),
+             "grpo_outcome_prm", "grpo_process_prm", STEP_REWARDS + ", the same PRM", "up", "final"),
             ("PPO with step rewards by the PRM ends below PPO with the exact step labels", "ppo_process",
              "ppo_process_prm", "the judge: 2 p_j - 1 of the PRM instead of the exact label (and the PRM's "
                                 "reading at the answer step instead of the checker's)", "down", "final"))):
@@ -600,8 +601,7 @@ def smollm2_process_rows() -> list[dict]:
         rows[:0] = [dict(id="L94", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above "
                                           "its outcome twin", where="docs/process.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
-                         differs="a reward per step (each normalised over the group's steps, so the advantage grows "
-                                 "with the number of steps) instead of the answer step's alone, the same exact judge",
+                         differs=STEP_REWARDS + ", the same exact judge",
                          unit=unit,
                          **paired(final("grpo_process"), final("grpo_outcome"), "up", SMOLLM2,
                                   "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
@@ -1080,8 +1080,8 @@ def page() -> str:
         f"{t_quantile(0.95, 2):.2f} with 3 seeds, {t_quantile(0.95, 4):.2f} with 5.",
         "  *The other way*: the interval excludes 0 on the other side. *A lead*: not shown, but every seed on",
         "  the claimed side, a hypothesis for more seeds and not a result (with no effect, every seed lands on",
-        "  a given side 1 time in 8 with 3 seeds, 1 in 32 with 5). *Not shown*: the seeds disagree, or every",
-        "  seed lies on the other side without the interval excluding 0.",
+        "  a given side 1 time in 8 with 3 seeds, 1 in 32 with 5). *Not shown*: any other case (the seeds",
+        "  disagree or one is 0, or every seed lies on the other side without the interval excluding 0).",
         "  *One run*: a single seed, no interval.",
         "- **No difference** (B = A) is *no difference within +-m* when the 90% interval (mean +- t(0.95, n - 1)",
         f"  SE) lies inside +-m (two one-sided tests at 5%), with m = {MARGIN:g} points of accuracy: a smaller",
