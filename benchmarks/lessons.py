@@ -471,6 +471,10 @@ STEP_REWARDS = ("a reward per step (each normalised over the group's steps; a to
                 "at or after it, so larger with more steps) instead of the answer step's alone")  # process vs twin
 
 
+SLIP_COUNTED = ("; the share counts only rollouts whose lines are right up to the first carrying line, lines the "
+                "process arm is also paid for, so the arms may differ in which rollouts count")
+
+
 def process_rows() -> list[dict]:
     """The registered claims of benchmarks/process_claims.md (C1-C8, S1-S3, L1-L2), read from process_runs.json."""
     rows, final_unit = [], "points, final sampled accuracy (step 40)"
@@ -481,7 +485,7 @@ def process_rows() -> list[dict]:
              "grpo_process", STEP_REWARDS + ", the same exact judge", "up",
              "final"),
             ("GRPO with process supervision gets the slip's line wrong less often than its outcome twin",
-             "grpo_outcome", "grpo_process", "as the row above", "down", "slip"),
+             "grpo_outcome", "grpo_process", "as the row above" + SLIP_COUNTED, "down", "slip"),
             ("PPO with a reward at each step's end (exact labels) ends above PPO with the checker's reward at the "
              "last token", "ppo_outcome", "ppo_process", "a +-1 reward at each step's end instead of one at the "
                                                          "last token, so the return grows with the number of steps "
@@ -489,7 +493,7 @@ def process_rows() -> list[dict]:
                                                          "0 (the critic starts from the PRM in both)",
              "up", "final"),
             ("PPO with step rewards gets the slip's line wrong less often than its outcome twin", "ppo_outcome",
-             "ppo_process", "as the row above", "down", "slip"),
+             "ppo_process", "as the row above" + SLIP_COUNTED, "down", "slip"),
             ("GRPO with process supervision by the PRM ends below process supervision by the exact labels",
              "grpo_process", "grpo_process_prm", "the judge: the PRM's p_j instead of the exact label (and the PRM's "
                                                  "reading at the answer step instead of the outcome label)",
@@ -589,12 +593,12 @@ def smollm2_process_rows() -> list[dict]:
                                   "committed outcome chain (grpo.py, benchmarks/smollm2.sh)", where="docs/process.md",
                  arms="smollm2_runs/sft120-seed*: grpo -> grpo_process",
                  differs="a reward per step (exact labels, normalised over the group's steps, summed over the steps "
-                         "after each token, so larger with more steps) instead of grpo.py's correctness (+-1) plus "
-                         "format (+1.25 or -1) per answer; no dynamic sampling (the chain drew up to 6 sampling "
+                         "at or after each token, so larger with more steps) instead of grpo.py's correctness (+-1) "
+                         "plus format (+1.25 or -1) per answer; no dynamic sampling (the chain drew up to 6 sampling "
                          "rounds a step, groups with spread only); the SFT start made again (equal greedy evaluations, "
                          "losses close, not bit for bit, its sampled evaluations drawn anew)", unit=unit,
                  **paired(final("grpo_process"), final("grpo"), "up", SMOLLM2, "measured, SmolLM2 64 x 4",
-                          SMOLLM2_PROCESS_REGISTERED))]
+                          SMOLLM2_PROCESS_REGISTERED + "; A, the chain, had run before"))]
     if all(os.path.isfile(os.path.join(ROOT, "docs", "smollm2_runs", f"sft120-seed{s}", "grpo_outcome",
                                        "metrics.jsonl")) for s in seeds):  # the outcome twin, where it was run
         process, outcome = slip("grpo_process"), slip("grpo_outcome")
@@ -607,7 +611,8 @@ def smollm2_process_rows() -> list[dict]:
                                   "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
         rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "
                                           "often than its outcome twin", where="docs/process.md",
-                         arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process", differs="as L94",
+                         arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
+                         differs="as L94" + SLIP_COUNTED,
                          unit="points of carrying sums whose first carrying line is wrong (among rollouts whose "
                               "lines are right up to it), mean of the training steps 21-30 that had any",
                          **paired({s: statistics.fmean(v) for s, v in process.items()},
