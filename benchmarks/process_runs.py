@@ -386,13 +386,22 @@ def smollm2_twin_sentences(seeds: list[int], rows: dict) -> list[str]:
     import lessons
 
     needed = lessons.t_quantile(0.95, 2) * rows["L96"]["noise"] / 3 ** 0.5
+    fell = {arm: [s for s in seeds if runs[arm][s]["evals"][-1]["greedy"] < runs[arm][s]["evals"][0]["greedy"]]
+            for arm in ("grpo_process", "grpo_outcome", "grpo")}
+
+    def seeds_of(arm: str) -> str:
+        return ("seed " if len(fell[arm]) == 1 else "seeds ") + " and ".join(map(str, fell[arm]))
     return ["the twin ended " + ", ".join(f"{final['grpo_outcome'][s] - final['grpo'][s]:+.1f}" for s in seeds)
             + " points from the chain at step 30 (seeds " + ", ".join(map(str, seeds)) + ")",
             "the gradient's norm was above 1, so clipped, on " + clipped("grpo_process") + " of the process arm's 30 "
             "steps and on " + clipped("grpo_outcome") + " of the twin's",
             "the twin's runs, three at a time, took " + ", ".join(
                 f"{smollm2_minutes(s, 'grpo_outcome'):.1f}" for s in seeds) + " minutes by their own clocks",
-            f"a registered difference in the slip's share would need a mean of about {needed:.0f} points"]
+            f"a registered difference in the slip's share would need a mean of about {needed:.0f} points",
+            f"in greedy accuracy, {len(fell['grpo_process']) + len(fell['grpo_outcome'])} of the "
+            f"{2 * len(seeds)} runs of `grpo_process.py` ended below their step 0 (the process arm's "
+            f"{seeds_of('grpo_process')}, the twin's {seeds_of('grpo_outcome')}), and "
+            f"{len(fell['grpo']) or 'none'} of the chain's {len(seeds)}"]
 
 
 def harm_sentences(data: dict, seeds: list[str]) -> list[str]:
