@@ -521,6 +521,12 @@ def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def token_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's token ids, no special tokens added (a chat prompt already holds its own). Speed: one call for
+    the list, not one per text: the same ids (tests/test_scripts.py), the tokenizer's batch encoder."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # (it refuses an empty list)
+
+
 def split_gsm8k_answer(answer: str) -> tuple[str, str]:
     """'reasoning\\n#### 42' -> ('reasoning', '42'); GSM8K's <<48/2=24>> calculator notes are dropped."""
     reasoning, _, final = answer.rpartition("####")
@@ -567,7 +573,7 @@ def check_prompts_fit(model, tokenizer, questions, system_prompt: str, max_compl
     model's context with max_completion_length new tokens (and the system prompt alone first)."""
     check_system_prompt(model, tokenizer, system_prompt)
     prompts = [make_prompt(tokenizer, q, system_prompt) for q in questions]
-    longest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
+    longest = max(len(ids) for ids in token_ids(tokenizer, prompts))
     check_fits_context(model, longest + max_completion_length,
                        f"the longest prompt of {dataset} plus --max_completion_length")
     return longest

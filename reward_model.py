@@ -111,12 +111,9 @@ def policy_pairs(policy, tokenizer, data, samples_per_prompt: int, max_new_token
 def tokenize_pairs(tokenizer, data, system_prompt: str, max_length: int, name: str | None = None):
     """Each row -> (prompt ids, chosen ids + EOS, rejected ids + EOS); too-long pairs are dropped
     (given the data's name, under the 1% rule of unusable rows: checks.check_length_drops)."""
-    def ids(texts):  # Speed: one tokenizer call per list, not per row (the same ids, tests/test_scripts.py)
-        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # (it refuses an empty list)
-
-    prompt_ids = ids([common.make_prompt(tokenizer, prompt, system_prompt) for prompt in data["prompt"]])
-    chosen_ids = ids([chosen + tokenizer.eos_token for chosen in data["chosen"]])
-    rejected_ids = ids([rejected + tokenizer.eos_token for rejected in data["rejected"]])
+    prompt_ids = common.token_ids(tokenizer, [common.make_prompt(tokenizer, p, system_prompt) for p in data["prompt"]])
+    chosen_ids = common.token_ids(tokenizer, [chosen + tokenizer.eos_token for chosen in data["chosen"]])
+    rejected_ids = common.token_ids(tokenizer, [rejected + tokenizer.eos_token for rejected in data["rejected"]])
     pairs = [(p, c, r) for p, c, r in zip(prompt_ids, chosen_ids, rejected_ids)
              if len(p) + max(len(c), len(r)) <= max_length]
     if name:

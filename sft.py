@@ -72,11 +72,8 @@ def tokenize_examples(tokenizer, data, system_prompt: str, max_completion_length
                  a in zip(data["question"], data["answer"])]
     else:
         pairs = [(prompt, chosen.strip()) for prompt, chosen in zip(data["prompt"], data["chosen"])]
-    def ids(texts):  # Speed: one tokenizer call per list, not per row (the same ids, tests/test_scripts.py)
-        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []  # (it refuses an empty list)
-
-    prompt_ids = ids([common.make_prompt(tokenizer, question, system_prompt) for question, _ in pairs])
-    target_ids = ids([answer + tokenizer.eos_token for _, answer in pairs])
+    prompt_ids = common.token_ids(tokenizer, [common.make_prompt(tokenizer, q, system_prompt) for q, _ in pairs])
+    target_ids = common.token_ids(tokenizer, [answer + tokenizer.eos_token for _, answer in pairs])
     examples = [(p, t) for p, t in zip(prompt_ids, target_ids) if len(t) <= max_completion_length]
     if name:
         common.check_length_drops(name, len(examples), len(pairs), f"--max_completion_length {max_completion_length}")

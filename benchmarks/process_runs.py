@@ -378,9 +378,11 @@ def smollm2_twin_sentences(seeds: list[int], rows: dict) -> list[str]:
     runs = smollm2_runs()
     final = {arm: {s: runs[arm][s]["evals"][-1]["sampled"] for s in seeds} for arm in ("grpo", "grpo_outcome")}
 
+    def norms(arm: str, seed: int) -> list[float]:  # the gradient's norm before clipping, a value per step
+        return [row["grad_norm"] for row in smollm2_rows(seed, arm) if "grad_norm" in row]
+
     def clipped(arm: str) -> str:
-        counts = [sum(row["grad_norm"] > 1.0 for row in smollm2_rows(s, arm) if "grad_norm" in row) for s in seeds]
-        return ", ".join(map(str, counts))
+        return ", ".join(str(sum(norm > 1.0 for norm in norms(arm, s))) for s in seeds)
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import lessons
@@ -393,8 +395,8 @@ def smollm2_twin_sentences(seeds: list[int], rows: dict) -> list[str]:
         return ("seed " if len(fell[arm]) == 1 else "seeds ") + " and ".join(map(str, fell[arm]))
     return ["the twin ended " + ", ".join(f"{final['grpo_outcome'][s] - final['grpo'][s]:+.1f}" for s in seeds)
             + " points from the chain at step 30 (seeds " + ", ".join(map(str, seeds)) + ")",
-            "the gradient's norm was above 1, so clipped, on " + clipped("grpo_process") + " of the process arm's 30 "
-            "steps and on " + clipped("grpo_outcome") + " of the twin's",
+            "the gradient's norm was above 1, so clipped, on " + clipped("grpo_process") + " of the process arm's "
+            f"{len(norms('grpo_process', seeds[0]))} steps and on " + clipped("grpo_outcome") + " of the twin's",
             "the twin's runs, three at a time, took " + ", ".join(
                 f"{smollm2_minutes(s, 'grpo_outcome'):.1f}" for s in seeds) + " minutes by their own clocks",
             f"a registered difference in the slip's share would need a mean of about {needed:.0f} points",

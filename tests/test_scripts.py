@@ -140,7 +140,8 @@ def test_grpo_step_changes_weights():
 
 @pytest.mark.parametrize("tokenizer_name", ["tiny", "smollm2"])
 def test_tokenizing_a_list_at_once_gives_each_rows_own_ids(tokenizer_name):
-    """sft.tokenize_examples and reward_model.tokenize_pairs tokenize each column in one call (a speed-up): the ids
+    """sft.tokenize_examples and reward_model.tokenize_pairs tokenize each column in one call (common.token_ids, a
+    speed-up): the ids
     are those of tokenizing each row alone, on the shipped data (both SFT schemas, the preference pairs), with the
     tiny model's tokenizer and with SmolLM2's (BPE, from tokenizer.json alone); no rows give no examples."""
     import importlib.util
