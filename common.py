@@ -21,7 +21,6 @@ import os
 import random
 import re
 import sys
-import textwrap
 import types
 import warnings
 
@@ -93,14 +92,24 @@ def field_help(config_class) -> dict:
 def _field_docs(cls) -> dict:
     """{field: the string literal written under it} in this class's own source (empty without one)."""
     try:
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    except (OSError, TypeError):  # no source file (e.g. a class typed into a REPL): no help texts
+        body = _classes_in(inspect.getfile(cls))[cls.__qualname__].body
+    except (OSError, TypeError, KeyError):  # no source file (e.g. a class typed into a REPL): no help texts
         return {}
     return {
         node.target.id: nxt.value.value
         for node, nxt in zip(body, body[1:])
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
     }
+
+
+@functools.lru_cache(maxsize=None)
+def _classes_in(path: str) -> dict:
+    """{name: its ast.ClassDef} for the classes at the top level of a source file.
+    Speed: inspect.getsource(cls) would search the file and every loaded module for the class (about 0.1 s a
+    class with torch and transformers loaded); the file is parsed once here instead."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
 def _to_bool(text: str) -> bool:
@@ -325,10 +334,15 @@ def load_gguf(path: str, scalar_head: bool = False):
         fail(f"reading {path} needs the gguf package: pip install gguf")
     # Speed: transformers asks gguf for its table of tensor names once per submodule of the model (about 400
     # times for SmolLM2, half of a 28 s load on one core); the table depends on the architecture and the
-    # number of layers alone, so it is built once per pair. The weights loaded are the same
-    # (tests/test_gguf.py compares them with transformers' load without the cache).
+    # number of layers alone, so it is built once per pair. And it opens the file with gguf.GGUFReader twice a
+    # load (for the config, then for the weights), and a script that loads its policy and reference from one
+    # file loads it twice: each opening parses every field of the file's header value by value, the tokenizer's
+    # 49152 tokens and 48900 merges among them (about 4 s on one core), so the last file's reader is kept while
+    # the file is unchanged. The weights loaded are the same (tests/test_gguf.py compares them with transformers'
+    # load without either cache).
     if not hasattr(gguf.get_tensor_name_map, "cache_info"):
         gguf.get_tensor_name_map = functools.lru_cache(gguf.get_tensor_name_map)
+        gguf.GGUFReader = last_file_kept(gguf.GGUFReader)
     path = os.path.abspath(path)
     folder, file = os.path.split(path)
     auto_class = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
@@ -346,6 +360,20 @@ def load_gguf(path: str, scalar_head: bool = False):
     model.config.pad_token_id = tokenizer.pad_token_id  # a scalar head's forward finds each row's last token with it
     model.name_or_path = model.config.name_or_path = path  # peft writes this into adapter_config.json as the base
     return model, tokenizer
+
+
+def last_file_kept(open_file):
+    """open_file(path, mode) (gguf.GGUFReader), its result for the last file kept and returned again while that
+    file's modification time is unchanged; the uncached open_file is its __wrapped__."""
+    @functools.lru_cache(maxsize=1)
+    def opened(path: str, mode: str, modified_ns: int):
+        return open_file(path, mode)
+
+    def open_kept(path, mode="r"):
+        return opened(os.path.abspath(path), mode, os.stat(path).st_mtime_ns)
+
+    open_kept.__wrapped__ = open_file
+    return open_kept
 
 
 def first_line(error: Exception) -> str:

@@ -3,6 +3,7 @@ generation sampled."""
 import copy
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -144,6 +145,22 @@ def test_a_gguf_model_with_non_finite_weights_is_refused_too(saved_tiny, tmp_pat
     assert str(stop.value.code).startswith(f"error: the model at {path} holds NaN or infinite values in 1 of its ")
     monkeypatch.setattr(common, "load_gguf", lambda path, scalar_head=False: (model, tokenizer))
     assert common.load_model(path)[0] is model  # finite: loaded as before
+
+
+def test_a_gguf_file_is_read_once_while_it_is_unchanged(tmp_path):
+    """load_gguf's reader cache (common.last_file_kept): a second open of the same file, by any spelling of its
+    path, returns the first reader; a file rewritten since, or another file, is read again."""
+    opened = []
+    open_kept = common.last_file_kept(lambda path, mode: opened.append(path) or object())
+    first, other = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first.write_bytes(b"GGUF one")
+    other.write_bytes(b"GGUF two")
+    reader = open_kept(str(first))
+    assert open_kept(os.path.join(str(tmp_path), ".", "a.gguf")) is reader and len(opened) == 1
+    os.utime(first, ns=(0, os.stat(first).st_mtime_ns + 1))  # rewritten: a new modification time
+    assert open_kept(str(first)) is not reader and len(opened) == 2
+    open_kept(str(other))
+    assert opened == [str(first), str(first), str(other)]
 
 
 def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):

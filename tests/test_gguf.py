@@ -91,8 +91,9 @@ def test_gguf_loads_as_a_plain_fp32_model_equal_to_transformers_gguf_load(gguf_p
     assert getattr(model, "hf_quantizer", None) is None and "quantization_config" not in model.config.to_dict()
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied, as SmolLM2 is
     # transformers' own GGUF load, which keeps the quantizer attached and so refuses to save; with gguf's table
-    # of tensor names built as transformers builds it, without load_gguf's cache
+    # of tensor names built and the file read as transformers builds and reads them, without load_gguf's caches
     monkeypatch.setattr(gguf, "get_tensor_name_map", gguf.get_tensor_name_map.__wrapped__)
+    monkeypatch.setattr(gguf, "GGUFReader", gguf.GGUFReader.__wrapped__)
     folder, file = os.path.split(gguf_path)
     reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     with pytest.raises(ValueError, match="not serializable"):
