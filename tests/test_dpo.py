@@ -347,13 +347,13 @@ def test_torchrun_two_processes_online_end_with_identical_weights(sft_checkpoint
     """Online DPO, and online KTO (whose reference point z0 sums over both processes' rows: a collective
     each must join, or the run hangs), run under torchrun and end with the same weights on both. Speed: the two
     runs share one torchrun (one start-up: tests/helpers/ddp_same_weights.py with a runs file)."""
-    from test_scale import HELPERS, torchrun
+    from test_scale import HELPERS, as_torchrun
 
     loss_types = ["sigmoid", "kto"]
     runs = [["dpo", "--model", sft_checkpoint, "--online", "true", "--loss_type", loss_type, "--max_steps", "2",
              "--output_dir", str(tmp_path / loss_type), *SHORT] for loss_type in loss_types]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
-    printed = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), str(tmp_path / "runs.json")).stdout
+    printed = as_torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), str(tmp_path / "runs.json")).stdout
     for loss_type, output in zip(loss_types, printed.split("=== run ")[1:], strict=True):
         assert "2 processes" in output and "identical" in output, (loss_type, output)
         rows = [row for row in read_metrics(tmp_path / loss_type) if "loss" in row]

@@ -1,8 +1,10 @@
 """Scale-out paths on CPU: torchrun data parallelism, LoRA, and the loaders of the public data schemas."""
 import json
 import os
+import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -11,17 +13,46 @@ from safetensors.torch import load_file
 import common
 from lib import distributed, rollout
 import grpo
-from conftest import ROOT, assert_same_run, built_once, read_metrics, run, run_main
+from conftest import ROOT, assert_same_run, built_once, read_metrics, run, run_main, start
 from floats import assert_close, forward_terms, tolerance
 
 HELPERS = os.path.join(ROOT, "tests", "helpers")
 
 
 def torchrun(*args, nproc=2):
+    """`torchrun --standalone --nproc_per_node nproc args` to its end, torchrun itself (each process a new interpreter,
+    one thread): .stdout, .stderr."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def start_as_torchrun(*args, nproc=2) -> list:
+    """`python args` in nproc processes, started with the variables torchrun gives its processes (RANK, WORLD_SIZE,
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: distributed.setup() joins the group from them).
+    Speed: forked from the test's script server (conftest.start), without the launcher's and the processes' new
+    interpreters (~9 s each here, importing torch and transformers). torchrun itself: torchrun() above, which
+    test_torchrun_two_processes_end_with_identical_weights and the tests of the process group's exit use."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    return [start(*args, env={"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for rank in range(nproc)]
+
+
+def as_torchrun(*args, nproc=2):
+    """start_as_torchrun's processes to their end: what they printed (rank 0's, then the others') as .stdout and
+    .stderr, as torchrun passes on its processes' output."""
+    processes = start_as_torchrun(*args, nproc=nproc)
+    for process in processes:
+        process.wait()
+    result = types.SimpleNamespace(stdout="".join(p.stdout for p in processes),
+                                   stderr="".join(p.stderr for p in processes))
+    assert all(p.returncode == 0 for p in processes), \
+        f"{' '.join(args)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
 
@@ -36,7 +67,7 @@ def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
     parallelisms in one torchrun (one start-up)."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run(os.path.join(HELPERS, "ddp_losses.py"), one)
-    torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, "--fsdp")
+    as_torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, "--fsdp")
     one = torch.load(one)["ddp"]
     for parallelism, two_processes in torch.load(two).items():
         for name in ("sft", "grpo_dapo", "grpo_grpo", "ppo_actor", "mix_dapo"):
@@ -106,9 +137,9 @@ def test_torchrun_reward_model_with_one_held_out_pair(sft_folder, tmp_path):
     (data / "train.jsonl").write_text("".join(rows[:64]))
     (data / "test.jsonl").write_text(rows[64])
     out = str(tmp_path / "rm")
-    result = torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "reward_model", "--model", sft_folder,
-                      "--dataset", str(data), "--output_dir", out, "--max_steps", "2", "--per_device_train_batch_size",
-                      "8", "--policy_prompts", "0")
+    result = as_torchrun(os.path.join(HELPERS, "ddp_same_weights.py"), "reward_model", "--model", sft_folder,
+                         "--dataset", str(data), "--output_dir", out, "--max_steps", "2",
+                         "--per_device_train_batch_size", "8", "--policy_prompts", "0")
     assert "2 processes" in result.stdout and "identical" in result.stdout, result.stdout
     with open(os.path.join(out, "eval.json")) as f:
         scores = json.load(f)
@@ -132,8 +163,6 @@ def test_two_nodes_of_one_process_train_as_one_two_process_run(sft_checkpoint, t
     a c10d rendezvous) train as one run of two processes on one node: the same metrics and weights. The
     one-node run is `torchrun --nproc_per_node 2 grpo.py ...` as a user runs it: it saves the model, and its
     one held-out problem is evaluated by rank 0 (rank 1 evaluates none)."""
-    import socket
-
     args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "2", "--per_device_train_batch_size", "16",
             "--num_generations", "4", "--eval_steps", "100", "--num_eval_examples", "1", "--warmup_steps", "1"]
     one_node = str(tmp_path / "one_node")
@@ -229,7 +258,7 @@ def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path)
                  [*args, "--output_dir", str(tmp_path / f"{i}_fsdp"), "--fsdp", "true"]]
     (tmp_path / "runs.json").write_text(json.dumps(runs))
     # split at the markers: [what came before run 0, run 0 (DDP of FSDP_RUNS[0]), run 1 (its FSDP), run 2, ...]
-    printed = torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp_path / "runs.json")).stdout.split("=== run ")
+    printed = as_torchrun(os.path.join(HELPERS, "run_mains.py"), str(tmp_path / "runs.json")).stdout.split("=== run ")
     config = common.load_model(sft_checkpoint)[0].config
     for i, (script, args) in enumerate(FSDP_RUNS):
         name = script + " LoRA" * ("--lora_r" in args)
@@ -268,26 +297,23 @@ def test_fsdp_killed_run_resumes_from_its_sharded_checkpoint_exactly(sft_checkpo
     """--fsdp writes its resumable checkpoints sharded (each process its own part of the weights and
     AdamW states, torch.distributed.checkpoint). A run killed after its step-2 checkpoint, then
     resumed, ends bit for bit as the unbroken run: metrics and weights."""
-    import signal
     import time
 
     args = ["grpo.py", "--model", sft_checkpoint, "--max_steps", "4", "--save_steps", "2", "--fsdp", "true",
             *GRPO_SHORT, *FSDP_SHORT]
     unbroken, broken = str(tmp_path / "unbroken"), str(tmp_path / "broken")
-    torchrun(*args, "--output_dir", unbroken)
+    as_torchrun(*args, "--output_dir", unbroken)
     assert sorted(os.listdir(os.path.join(unbroken, "checkpoint", "sharded"))) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file of shards per process
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args,
-               "--output_dir", broken]
-    run_ = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    processes = start_as_torchrun(*args, "--output_dir", broken)
     metrics, deadline = os.path.join(broken, "metrics.jsonl"), time.time() + 300
     while not (os.path.isfile(metrics) and len(open(metrics).readlines()) >= 3):  # step 3 logged: past step 2's save
-        assert run_.poll() is None and time.time() < deadline, "the run ended before the kill point"
+        assert all(p.poll() is None for p in processes) and time.time() < deadline, "it ended before the kill point"
         time.sleep(0.001)
-    os.killpg(run_.pid, signal.SIGKILL)  # torchrun and both processes, wherever they were
-    run_.wait()
-    result = torchrun(*args, "--output_dir", broken, "--resume", "true")
+    for process in processes:  # both, wherever they were
+        process.kill()
+        process.wait()
+    result = as_torchrun(*args, "--output_dir", broken, "--resume", "true")
     assert "resumed from" in result.stdout + result.stderr
     assert_same_run(broken, unbroken)
 
