@@ -11,6 +11,7 @@ a request as JSON (argv, cwd, env, stdout and stderr file paths); this process a
 is forked and `exit N CODE` when it ends (CODE as subprocess gives it: negative for a signal). It stops when
 its stdin closes.
 """
+import gc
 import json
 import os
 import select
@@ -85,4 +86,8 @@ def main():
 
 
 if __name__ == "__main__":
+    # Speed: the libraries' objects, imported once here, are moved out of the garbage collector's generations, so
+    # a child's collections no longer scan them (about 0.7 s of a 10 s grpo.py run here); they live as long as the
+    # process anyway.
+    gc.freeze()
     main()
