@@ -490,7 +490,9 @@ def process_rows() -> list[dict]:
              "last token", "ppo_outcome", "ppo_process", "a +-1 reward at each step's end instead of one at the "
                                                          "last token, so the return grows with the number of steps "
                                                          "and a wrong answer with right lines can return more than "
-                                                         "0 (the critic starts from the PRM in both)",
+                                                         "0 (the critic starts from the PRM in both, so the outcome "
+                                                         "arm's values can already drop at a wrong line: both arms "
+                                                         "start with a critic that reads steps)",
              "up", "final"),
             ("PPO with step rewards gets the slip's line wrong less often than its outcome twin", "ppo_outcome",
              "ppo_process", "as the row above" + SLIP_COUNTED, "down", "slip"),

@@ -178,6 +178,32 @@ def test_parse_config_reads_types_bools_and_help(tmp_path, monkeypatch, capsys):
     assert "turn it on" in capsys.readouterr().out
 
 
+def test_help_texts_read_from_the_file_are_those_of_the_class_source():
+    """common._field_docs reads a Config's help texts from one parse of its file (a speed-up); read the plain way,
+    from inspect.getsource(cls), every dataclass of the scripts and of lib/ gives the same texts."""
+    import ast
+    import dataclasses
+    import glob
+    import importlib
+    import inspect
+    import textwrap
+
+    from conftest import ROOT
+
+    def plain(cls) -> dict:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        return {node.target.id: nxt.value.value for node, nxt in zip(body, body[1:]) if isinstance(node, ast.AnnAssign)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)}
+
+    files = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "lib", "[!_]*.py")))
+    names = [os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".") for path in files]
+    classes = [cls for name in names for cls in vars(importlib.import_module(name)).values()
+               if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == name]
+    assert len(classes) >= 18 and any(common._field_docs(cls) for cls in classes)
+    for cls in classes:
+        assert common._field_docs(cls) == plain(cls), cls.__qualname__
+
+
 def test_warmup_cosine_schedule_hand_computed():
     """Warmup 4 of 10 steps, min_lr_rate 0.1, peak 1: (t + 1) / 4 for t < 4, then
     0.1 + 0.9 * 0.5 * (1 + cos(pi * (t - 4) / 6)); from the warmup's end on it is transformers' own

@@ -64,7 +64,7 @@ def test_two_process_losses_and_gradients_equal_one_process(tmp_path):
     to float32 rounding: with data parallelism (average_gradients) and with the model sharded
     (FSDP reduces the gradients, each process keeps its shard; gathered here to compare).
     A per-process token mean (the usual mistake) misses by orders of magnitude. Speed: both
-    parallelisms in one torchrun (one start-up)."""
+    parallelisms in one two-process start (as_torchrun: one start-up)."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     run(os.path.join(HELPERS, "ddp_losses.py"), one)
     as_torchrun(os.path.join(HELPERS, "ddp_losses.py"), two, "--fsdp")
@@ -242,13 +242,13 @@ FSDP_RUNS = [  # 2 steps: the second reads the AdamW states the first left shard
 
 @pytest.mark.slow
 def test_fsdp_trains_as_data_parallelism_does(sft_checkpoint, rm_lora, tmp_path):
-    """sft, reward_model, grpo and ppo under torchrun with --fsdp (FSDP_RUNS; the other scripts share their
+    """sft, reward_model, grpo and ppo on two processes with --fsdp (FSDP_RUNS; the other scripts share their
     run machinery but are not run sharded here: mix.py's sharding is grpo.py's line, and its loss and gradient
     under FSDP are the test above's): the same metrics and weights as the same
     two-process run with data parallelism (which the test above and test_torchrun_* tie to one
     process on the whole batch), to float32 rounding; the start-up memory table divides the sharded
-    rows by 2. Speed: the 10 runs share one torchrun (tests/helpers/run_mains.py), one start-up
-    instead of 10 (importing torch and transformers is most of a 3-step run); one test, so that one
+    rows by 2. Speed: the 10 runs share one two-process start (as_torchrun, tests/helpers/run_mains.py), one
+    start-up instead of 10 (importing torch and transformers is most of a 3-step run); one test, so that one
     worker of `-n 2` runs them while the other runs other tests."""
     runs = []
     for i, (script, args) in enumerate(FSDP_RUNS):
