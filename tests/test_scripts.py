@@ -32,7 +32,8 @@ def test_sft_writes_checkpoint_metrics_eval_and_png(sft_checkpoint):
 def test_grpo_short_run_raises_reward(sft_checkpoint, tmp_path):
     """40 GRPO steps on 8 fixed problems: the reward and the sampled accuracy on them rise. (30 steps gave
     z = 1.99 from the SFT checkpoint one CPU's float order made: the weaker the start, the slower the rise.)
-    (The held-out file repeats the 8 problems 16 times: 512 samples, so its accuracy is not noise.)"""
+    (The evaluation file repeats the same 8 problems 16 times: 512 samples, so its accuracy is not noise; it
+    checks that the run fits its problems, not that it generalises.)"""
     data = tmp_path / "data"
     data.mkdir()
     with open(os.path.join(ROOT, "data", "arithmetic", "train.jsonl")) as f:
