@@ -592,7 +592,8 @@ def smollm2_process_rows() -> list[dict]:
 
     unit = "points, final sampled accuracy (step 30, 64 held-out problems x 4)"
     rows = [dict(id="L95", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above the "
-                                  "committed outcome chain (grpo.py, benchmarks/smollm2.sh)", where="docs/process.md",
+                                  "committed outcome chain (grpo.py, benchmarks/smollm2.sh)",
+                 where="docs/process.md; docs/real_models.md",
                  arms="smollm2_runs/sft120-seed*: grpo -> grpo_process",
                  differs="a reward per step (exact labels, normalised over the group's steps, summed over the steps "
                          "at or after each token, so larger with more steps) instead of grpo.py's correctness (+-1) "
@@ -605,14 +606,14 @@ def smollm2_process_rows() -> list[dict]:
                                        "metrics.jsonl")) for s in seeds):  # the outcome twin, where it was run
         process, outcome = slip("grpo_process"), slip("grpo_outcome")
         rows[:0] = [dict(id="L94", lesson="On SmolLM2, GRPO with process supervision (exact step labels) ends above "
-                                          "its outcome twin", where="docs/process.md",
+                                          "its outcome twin", where="docs/process.md; docs/real_models.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
                          differs=STEP_REWARDS + ", the same exact judge",
                          unit=unit,
                          **paired(final("grpo_process"), final("grpo_outcome"), "up", SMOLLM2,
                                   "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
         rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "
-                                          "often than its outcome twin", where="docs/process.md",
+                                          "often than its outcome twin", where="docs/process.md; docs/real_models.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
                          differs="as L94" + SLIP_COUNTED,
                          unit="points of carrying sums whose first carrying line is wrong (among rollouts whose "
