@@ -567,6 +567,7 @@ def process_rows() -> list[dict]:
 
 
 SMOLLM2_PROCESS_REGISTERED = "2026-11-29, 89e207c: benchmarks/process_claims.md (SmolLM2)"  # before its runs
+TWIN_AFTER = "; A, the twin, run after B had been read"  # process_claims.md's record of 2026-11-30
 
 
 def smollm2_process_rows() -> list[dict]:
@@ -611,7 +612,7 @@ def smollm2_process_rows() -> list[dict]:
                          differs=STEP_REWARDS + ", the same exact judge",
                          unit=unit,
                          **paired(final("grpo_process"), final("grpo_outcome"), "up", SMOLLM2,
-                                  "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED))]
+                                  "measured, SmolLM2 64 x 4", SMOLLM2_PROCESS_REGISTERED + TWIN_AFTER))]
         rows.append(dict(id="L96", lesson="On SmolLM2, GRPO with process supervision gets the slip's line wrong less "
                                           "often than its outcome twin", where="docs/process.md; docs/real_models.md",
                          arms="smollm2_runs/sft120-seed*: grpo_outcome -> grpo_process",
@@ -621,7 +622,8 @@ def smollm2_process_rows() -> list[dict]:
                          **paired({s: statistics.fmean(v) for s, v in process.items()},
                                   {s: statistics.fmean(v) for s, v in outcome.items()}, "down",
                                   step_noise([process[s] for s in seeds], [outcome[s] for s in seeds], 1.0),
-                                  "measured, the runs' step-to-step scatter (points)", SMOLLM2_PROCESS_REGISTERED)))
+                                  "measured, the runs' step-to-step scatter (points)",
+                                  SMOLLM2_PROCESS_REGISTERED + TWIN_AFTER)))
     return rows
 
 
